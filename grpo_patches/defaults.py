@@ -1,0 +1,53 @@
+"""Built-in hook implementations, registered ``trylast`` so user plugins win.
+
+Each one only forwards to the framework-free implementation module; torch-using modules are
+imported inside the hook so that importing grpo_patches stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from grpo_patches.hookspecs import hookimpl
+
+
+@hookimpl(trylast=True)
+def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, importance_sampling):
+    from grpo_patches.recompute import needs_old_logps
+
+    return needs_old_logps(consumptions_left, window_steps_left, importance_sampling)
+
+
+@hookimpl(trylast=True)
+def grpo_plan_logprob_passes(
+    framework, kl_coefficients, kl_metrics_requested, optimizer_step_before_consumption, importance_sampling
+):
+    from grpo_patches.logprob_plan import plan_logprob_passes
+
+    return plan_logprob_passes(
+        kl_coefficients=kl_coefficients,
+        kl_metrics_requested=kl_metrics_requested,
+        optimizer_step_before_consumption=optimizer_step_before_consumption,
+        importance_sampling=importance_sampling,
+    )
+
+
+@hookimpl(trylast=True)
+def grpo_filter_zero_advantage(advantages, mask, aggregation, group):
+    from grpo_patches.zero_advantage import filter_zero_advantage
+
+    return filter_zero_advantage(advantages, mask, aggregation, group=group)
+
+
+@hookimpl(trylast=True)
+def grpo_lm_head_loss(hidden, weight, labels, advantages, mask, options: Mapping[str, Any]):
+    from grpo_patches.tiled_loss import tiled_grpo_loss
+
+    return tiled_grpo_loss(hidden, weight, labels, advantages, mask, **options)
+
+
+@hookimpl(trylast=True)
+def grpo_report_savings(framework: str, savings: Mapping[str, float]) -> None:
+    from grpo_patches.savings import add_to_totals
+
+    add_to_totals(framework, savings)

@@ -1,0 +1,91 @@
+"""User options of :func:`grpo_patches.enable`, validated with errors that name the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from grpo_patches.errors import OptionError
+
+#: Values of ``zero_advantage_filter``: ``"auto"`` switches the filter off (and says so in
+#: status) when the training config makes zero-advantage rows matter; ``True`` refuses.
+_FILTER_VALUES = ("auto", True, False)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Which optimizations are on. Every one can be switched off on its own.
+
+    :ivar recompute: compute old-policy log-probs only for rollouts whose consumption
+        crosses an optimizer step.
+    :ivar logprob_skip: skip reference / old log-prob passes that are provably unneeded.
+    :ivar zero_advantage_filter: drop exactly-zero-advantage rows from the update
+        (``"auto"``: on unless entropy/KL terms are active, then off and reported in status;
+        ``True``: on, and a clear error when the config makes it inexact; ``False``: off).
+    :ivar tiled_loss: compute the policy loss with the tiled lm-head loss (opt-in).
+    :ivar tile_size: tokens per tile of the tiled loss; ``None`` picks it from a memory budget.
+    """
+
+    recompute: bool = True
+    logprob_skip: bool = True
+    zero_advantage_filter: bool | str = "auto"
+    tiled_loss: bool = False
+    tile_size: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> "Options":
+        """Build options from ``enable(**options)``, rejecting unknown names and values."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise OptionError(
+                f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are: {', '.join(names)}"
+            )
+        for name in ("recompute", "logprob_skip", "tiled_loss"):
+            if name in options and not isinstance(options[name], bool):
+                raise OptionError(f"option {name!r} must be True or False, got {options[name]!r}")
+        value = options.get("zero_advantage_filter", "auto")
+        if not any(value is v or (isinstance(v, str) and value == v) for v in _FILTER_VALUES):
+            raise OptionError(
+                f"option 'zero_advantage_filter' must be one of 'auto', True, False; got {value!r}"
+            )
+        tile = options.get("tile_size")
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise OptionError(f"option 'tile_size' must be a positive int or None, got {tile!r}")
+        return cls(**options)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_env_options(text: str) -> dict[str, Any]:
+    """Parse ``"recompute=0,tile_size=512,zero_advantage_filter=auto"`` (the options variable).
+
+    Booleans accept 1/0/true/false/yes/no/on/off; ``tile_size`` an int or ``none``.
+    """
+    result: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not sep or not name:
+            raise OptionError(f"expected name=value, got {item!r}")
+        low = raw.lower()
+        if name == "tile_size":
+            if low == "none":
+                result[name] = None
+            else:
+                try:
+                    result[name] = int(raw)
+                except ValueError:
+                    raise OptionError(f"option 'tile_size' must be an int or none, got {raw!r}") from None
+        elif name == "zero_advantage_filter" and low == "auto":
+            result[name] = "auto"
+        elif low in ("1", "true", "yes", "on"):
+            result[name] = True
+        elif low in ("0", "false", "no", "off"):
+            result[name] = False
+        else:
+            raise OptionError(f"option {name!r}: cannot read {raw!r} as a boolean (use 1/0, true/false)")
+    Options.from_kwargs(result)  # validate names and values now, with the same messages
+    return result

@@ -1,0 +1,39 @@
+"""Known adapters, looked up by framework name without importing any framework."""
+
+from __future__ import annotations
+
+import importlib
+
+from grpo_patches.adapter import Adapter
+from grpo_patches.errors import UnknownFrameworkError
+
+#: Built-in adapters: framework name -> module exposing ``ADAPTER``.
+BUILTIN: dict[str, str] = {
+    "trl": "grpo_patches.adapters.trl",
+    "verl": "grpo_patches.adapters.verl",
+    "nemo_rl": "grpo_patches.adapters.nemo_rl",
+}
+
+_extra: dict[str, Adapter] = {}
+
+
+def register_adapter(adapter: Adapter) -> None:
+    """Make a third-party (or test) adapter available to ``enable(adapter.name)``."""
+    _extra[adapter.name] = adapter
+
+
+def unregister_adapter(name: str) -> None:
+    _extra.pop(name, None)
+
+
+def names() -> list[str]:
+    return [*BUILTIN, *(n for n in _extra if n not in BUILTIN)]
+
+
+def get(name: str) -> Adapter:
+    if name in _extra:
+        return _extra[name]
+    if name not in BUILTIN:
+        valid = ", ".join([*names(), "all"])
+        raise UnknownFrameworkError(f"unknown framework {name!r}; valid names are: {valid}")
+    return importlib.import_module(BUILTIN[name]).ADAPTER
