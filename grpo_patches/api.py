@@ -110,6 +110,7 @@ def _enable_one(adapter: Adapter, opts: Options, via_all: bool) -> None:
 def _on_import(module: Any) -> None:
     """Apply every enable() that was waiting for this module (errors surface at import)."""
     with _lock:
+        _hooked_modules.discard(module.__name__)  # wrapt fires a hook once, then forgets it
         for state in list(_enabled.values()):
             if state.adapter.trigger_module == module.__name__ and state.pending:
                 state.applied = apply_all(

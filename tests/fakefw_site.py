@@ -1,0 +1,110 @@
+"""A test-only fake framework ``fakefw``, installed into a temporary site directory.
+
+It has a real ``.dist-info`` (so version checks read it like any framework's), an adapter
+declared through the ``grpo_patches.adapters`` entry-point group (so ``enable("fakefw")``
+and ``GRPO_PATCHES=fakefw`` find it), and optionally a hook plugin entry point.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+FRAMEWORK = '''
+"""fakefw: a framework with the shapes our patches meet (methods, static/class, inherited)."""
+'''
+
+TRAINER = '''
+def helper(x):
+    return x * 2
+
+
+class Trainer:
+    def step(self, x):
+        return x + 1
+
+    @staticmethod
+    def static(x):
+        return x - 1
+
+    @classmethod
+    def klass(cls, x):
+        return (cls.__name__, x)
+
+    def inherited(self):
+        return "base"
+
+
+class SubTrainer(Trainer):
+    pass
+'''
+
+ADAPTER = '''
+"""Adapter for fakefw: every wrapper tags results so tests can see the patch."""
+
+from grpo_patches.adapter import Adapter
+from grpo_patches.patching import PatchTarget
+from grpo_patches import api
+
+
+def _tag(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    options = api.active_options("fakefw")
+    return ("patched", result, options.tile_size if options else None)
+
+
+def targets(version):
+    mod = "fakefw.trainer"
+    rng = ">=1.0,<2"
+    records = [
+        PatchTarget(mod, "Trainer.step", _tag, rng),
+        PatchTarget(mod, "Trainer.static", _tag, rng),
+        PatchTarget(mod, "Trainer.klass", _tag, rng),
+        PatchTarget(mod, "SubTrainer.inherited", _tag, rng),
+        PatchTarget(mod, "helper", _tag, rng, option="tiled_loss"),
+    ]
+    if MISSING_ATTRIBUTE:  # a target that moved upstream
+        records.append(PatchTarget(mod, MISSING_ATTRIBUTE, _tag, rng))
+    return records
+
+
+MISSING_ATTRIBUTE = {missing!r}
+
+ADAPTER = Adapter(
+    name="fakefw",
+    distribution="fakefw",
+    supported=">=1.0,<2",
+    trigger_module="fakefw.trainer",
+    targets=targets,
+)
+'''
+
+PLUGIN = '''
+"""A third-party hook plugin, loaded from the grpo_patches entry-point group."""
+
+from grpo_patches import hookimpl
+
+
+@hookimpl
+def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, importance_sampling):
+    return "from-entry-point-plugin"
+'''
+
+
+def make_site(root: Path, version: str = "1.2.0", plugin: bool = False, missing: str | None = None) -> Path:
+    """Write fakefw ``version`` into ``root`` (a directory to put on ``sys.path``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    pkg = root / "fakefw"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(FRAMEWORK))
+    (pkg / "trainer.py").write_text(textwrap.dedent(TRAINER))
+    (root / "fakefw_adapter.py").write_text(ADAPTER.replace("{missing!r}", repr(missing)))
+    dist = root / f"fakefw-{version}.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakefw\nVersion: {version}\n")
+    entry_points = "[grpo_patches.adapters]\nfakefw = fakefw_adapter:ADAPTER\n"
+    if plugin:
+        (root / "fakefw_plugin.py").write_text(PLUGIN)
+        entry_points += "\n[grpo_patches]\nfakefw_plugin = fakefw_plugin\n"
+    (dist / "entry_points.txt").write_text(entry_points)
+    return root

@@ -1,0 +1,194 @@
+"""enable/disable/status on the fake framework: exact restore, idempotence, clear errors.
+
+Import orders run in subprocesses (fresh interpreters), like ddtrace's patch tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import grpo_patches
+from grpo_patches import api
+from grpo_patches.errors import OptionError, UnknownFrameworkError, UnsupportedFrameworkError
+from tests.fakefw_site import make_site
+
+ATTRS = ["step", "static", "klass"]
+
+
+def run_script(site, code: str, env: dict | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter with the fake site on the path; it prints JSON."""
+    full_env = {**os.environ, "PYTHONPATH": str(site), **(env or {})}
+    if not env or "GRPO_PATCHES" not in env:
+        full_env.pop("GRPO_PATCHES", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {"out": json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
+
+
+# Snippets composed into import/patch/unpatch orders.
+STEPS = {
+    "import": "import fakefw.trainer as T\nORIG = ORIG if ORIG is not None or ENABLED else dict(T.Trainer.__dict__)",
+    "enable": "grpo_patches.enable('fakefw', tile_size=7); ENABLED = True",
+    "disable": "grpo_patches.disable('fakefw')",
+}
+CHECK = """
+import fakefw.trainer as T
+raw = dict(T.Trainer.__dict__)
+print(json.dumps({
+    'patched': T.Trainer().step(1) == ('patched', 2, 7),
+    'proxies': [isinstance(raw[k], wrapt.FunctionWrapper) for k in ATTRS],
+    'identical': None if ORIG is None else [raw[k] is ORIG[k] for k in ATTRS],
+    'inherited_own': 'inherited' in T.SubTrainer.__dict__,
+    'status_patched': grpo_patches.status()['fakefw']['patched'],
+}))
+"""
+
+ORDERS = [
+    (["import", "enable"], True),
+    (["enable", "import"], True),
+    (["import", "enable", "disable"], False),
+    (["enable", "import", "disable"], False),
+    (["enable", "disable", "import"], False),
+    (["enable", "enable", "import", "disable", "disable"], False),
+    (["import", "enable", "disable", "enable"], True),
+    (["enable", "disable", "enable", "import"], True),
+    (["import", "disable", "enable", "enable"], True),
+]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    return make_site(tmp_path_factory.mktemp("site"))
+
+
+@pytest.mark.parametrize("order,expect_patched", ORDERS, ids=["-".join(o) for o, _ in ORDERS])
+def test_import_orders(site, order, expect_patched):
+    head = f"import json, wrapt, grpo_patches\nATTRS = {ATTRS!r}\nORIG = None\nENABLED = False"
+    script = "\n".join([head, *(STEPS[s] for s in order)]) + CHECK
+    result = run_script(site, script)["out"]
+    assert result["patched"] is expect_patched
+    assert result["status_patched"] is expect_patched
+    assert result["proxies"] == [expect_patched] * len(ATTRS)
+    assert result["inherited_own"] is expect_patched  # an inherited method is patched on the subclass only
+    if result["identical"] is not None:  # originals captured before any patch: restored exactly
+        assert result["identical"] == [not expect_patched] * len(ATTRS)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    """Each test starts with nothing enabled and no fake framework module loaded."""
+    yield
+    grpo_patches.disable()
+    for name in [m for m in sys.modules if m.startswith("fakefw")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fakefw(site, monkeypatch):
+    """The fake framework imported in this process."""
+    monkeypatch.syspath_prepend(str(site))
+    import fakefw.trainer as trainer
+
+    return trainer
+
+
+def test_enable_patches_every_kind_of_attribute_and_disable_restores_identity(fakefw):
+    originals = {k: fakefw.Trainer.__dict__[k] for k in ATTRS}
+    helper = fakefw.helper
+    grpo_patches.enable("fakefw", tiled_loss=True, tile_size=3)
+    t = fakefw.Trainer()
+    assert t.step(1) == ("patched", 2, 3)
+    assert fakefw.Trainer.static(1) == ("patched", 0, 3)
+    assert fakefw.SubTrainer.klass(1) == ("patched", ("SubTrainer", 1), 3)
+    assert fakefw.SubTrainer().inherited() == ("patched", "base", 3)
+    assert fakefw.helper(2) == ("patched", 4, 3)
+    grpo_patches.disable("fakefw")
+    for k in ATTRS:
+        assert fakefw.Trainer.__dict__[k] is originals[k]
+    assert "inherited" not in fakefw.SubTrainer.__dict__
+    assert fakefw.helper is helper
+    assert t.step(1) == 2
+
+
+def test_enable_is_idempotent_and_new_options_reapply(fakefw):
+    grpo_patches.enable("fakefw", tile_size=3)
+    first = fakefw.Trainer.__dict__["step"]
+    grpo_patches.enable("fakefw", tile_size=3)
+    assert fakefw.Trainer.__dict__["step"] is first  # same options: nothing re-applied
+    grpo_patches.enable("fakefw", tile_size=5)
+    assert fakefw.Trainer().step(1) == ("patched", 2, 5)
+    assert fakefw.Trainer.step.__wrapped__ is not fakefw.Trainer.__dict__["step"]  # not wrapped twice
+    assert fakefw.helper(1) == 2  # gated by tiled_loss, off by default
+
+
+def test_status_reports_version_options_and_targets(fakefw):
+    assert grpo_patches.status()["fakefw"]["patched"] is False
+    grpo_patches.enable("fakefw")
+    entry = grpo_patches.status()["fakefw"]
+    assert entry["installed"] == "1.2.0" and entry["supported"] and entry["patched"]
+    assert entry["options"]["recompute"] is True
+    assert "fakefw.trainer:Trainer.step" in entry["targets"]
+    api.note("fakefw", "why", "something switched off")
+    assert grpo_patches.status()["fakefw"]["notes"] == {"why": "something switched off"}
+
+
+def test_version_outside_range_is_one_clear_error(tmp_path, monkeypatch):
+    site = make_site(tmp_path / "old", version="0.9.0")
+    monkeypatch.syspath_prepend(str(site))
+    with pytest.raises(UnsupportedFrameworkError) as err:
+        grpo_patches.enable("fakefw")
+    msg = str(err.value)
+    assert "fakefw 0.9.0" in msg and ">=1.0,<2" in msg and "fakefw.trainer:Trainer.step" in msg
+    assert grpo_patches.status()["fakefw"]["patched"] is False
+
+
+def test_missing_target_is_an_error_and_nothing_is_half_applied(tmp_path, monkeypatch):
+    site = make_site(tmp_path / "moved", missing="Trainer.moved_away")
+    monkeypatch.syspath_prepend(str(site))
+    import fakefw.trainer as trainer
+
+    original = trainer.Trainer.__dict__["step"]
+    with pytest.raises(UnsupportedFrameworkError, match=r"fakefw.trainer:Trainer.moved_away not found"):
+        grpo_patches.enable("fakefw")
+    assert trainer.Trainer.__dict__["step"] is original
+    assert grpo_patches.status()["fakefw"]["patched"] is False
+
+
+def test_bad_names_and_options_list_the_valid_ones():
+    with pytest.raises(UnknownFrameworkError, match="valid names are: trl, verl, nemo_rl"):
+        grpo_patches.enable("tlr")
+    with pytest.raises(OptionError, match="valid options are: recompute, logprob_skip"):
+        grpo_patches.enable("trl", recompte=False)
+    with pytest.raises(OptionError, match="'zero_advantage_filter' must be one of"):
+        grpo_patches.enable("trl", zero_advantage_filter="yes")
+    with pytest.raises(OptionError, match="tile_size"):
+        grpo_patches.enable("trl", tile_size=0)
+    with pytest.raises(UnknownFrameworkError):
+        grpo_patches.disable("tlr")
+
+
+def test_declared_but_unimplemented_framework_is_refused(monkeypatch):
+    from grpo_patches import registry
+
+    adapter = registry.get("verl")
+    monkeypatch.setattr(api, "installed_version", lambda a: __import__("packaging.version").version.Version("0.7.1"))
+    with pytest.raises(UnsupportedFrameworkError, match="verl 0.7.1: adapter not implemented yet"):
+        grpo_patches.enable("verl")
+    assert adapter.targets is not None
+
+
+def test_enable_all_only_touches_installed_supported_frameworks(fakefw):
+    grpo_patches.enable("all", tile_size=2)
+    report = grpo_patches.status()
+    assert report["fakefw"]["patched"] and api.enabled_via_all("fakefw")
+    assert not report["verl"]["patched"] and not report["nemo_rl"]["patched"]
+    grpo_patches.disable()
+    assert not grpo_patches.status()["fakefw"]["patched"]

@@ -1,0 +1,87 @@
+"""Start-up patching through the installed ``.pth`` file, in fresh interpreters."""
+
+from __future__ import annotations
+
+import site
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fakefw_site import make_site
+from tests.test_patching import run_script
+
+PATCHED = """
+import json, sys
+already = 'grpo_patches' in sys.modules
+import fakefw.trainer as T
+print(json.dumps({'already': already, 'result': T.Trainer().step(1)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_site(tmp_path_factory):
+    return make_site(tmp_path_factory.mktemp("startup"))
+
+
+def test_pth_is_installed_next_to_the_package():
+    import grpo_patches
+
+    pth = [Path(d) / "grpo_patches_startup.pth" for d in site.getsitepackages()]
+    assert any(p.exists() for p in pth), f"no start-up .pth in {site.getsitepackages()}"
+    assert grpo_patches.__file__  # the .pth imports the same installed package
+
+
+def test_unset_variable_imports_nothing(fake_site):
+    out = run_script(fake_site, "import json, sys; print(json.dumps('grpo_patches' in sys.modules))")
+    assert out["out"] is False and out["stderr"] == ""
+
+
+def test_variable_patches_when_the_framework_is_imported(fake_site):
+    out = run_script(fake_site, PATCHED, env={"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "tile_size=9"})
+    assert out["out"] == {"already": True, "result": ["patched", 2, 9]}
+    assert out["stderr"] == ""
+
+
+def test_all_patches_installed_frameworks(fake_site):
+    out = run_script(fake_site, PATCHED, env={"GRPO_PATCHES": "all"})
+    assert out["out"]["result"] == ["patched", 2, None]
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"GRPO_PATCHES": "fakefw,bogus"}, "unknown framework(s) 'bogus' (valid: trl, verl, nemo_rl"),
+        ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "recompute=maybe"}, "option 'recompute': cannot read"),
+        ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "colour=1"}, "unknown option(s) 'colour'"),
+        ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "tile_size"}, "expected name=value"),
+    ],
+)
+def test_malformed_values_are_one_warning_and_never_raise(fake_site, env, needle):
+    out = run_script(fake_site, "import json; print(json.dumps('ok'))", env=env)
+    assert out["out"] == "ok"
+    assert out["stderr"].count("GrpoPatchesWarning") == 1, out["stderr"]
+    assert needle in out["stderr"]
+
+
+def test_unsupported_version_is_a_warning_not_a_crash(tmp_path):
+    old = make_site(tmp_path / "old", version="0.1.0")
+    out = run_script(old, "import json, fakefw.trainer as T; print(json.dumps(T.Trainer().step(1)))",
+                     env={"GRPO_PATCHES": "fakefw"})
+    assert out["out"] == 2
+    assert "fakefw 0.1.0 is outside the supported range >=1.0,<2" in out["stderr"]
+
+
+def test_startup_module_runs_once_even_if_the_pth_is_read_twice(fake_site):
+    # venvs expose site-packages twice (lib and lib64): the second read must be a no-op
+    code = "import json, grpo_patches._startup as s, importlib; print(json.dumps(1))"
+    out = run_script(fake_site, code, env={"GRPO_PATCHES": "fakefw,bogus"})
+    assert out["stderr"].count("GrpoPatchesWarning") == 1
+
+
+def test_run_parses_lists_and_off_values(fake_site, monkeypatch):
+    from grpo_patches import _startup
+
+    assert _startup.run({"GRPO_PATCHES": "off"}) == []
+    assert _startup.run({}) == []
+    assert sys.executable  # run() with a real framework is covered by the subprocess tests
