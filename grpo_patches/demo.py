@@ -1,0 +1,166 @@
+"""``grpo-patches demo``: train the embedded tiny model with TRL twice, patches off and on.
+
+Each run is a subprocess (a clean peak-memory reading and no shared state); both start
+from the same saved model and seeds. The passes are counted by an instrument independent of
+the patches (a counting wrapper on TRL's log-prob method), so the table does not rely on the
+adapter's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: The demo's training setup: GA=3 with steps_per_generation=2 is misaligned, so upstream
+#: TRL recomputes old log-probs for every rollout; half the prompts get identical rewards
+#: for all their completions, so their advantages are exactly zero.
+DEMO_CONFIG: dict[str, Any] = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=12,
+    gradient_accumulation_steps=3,
+    steps_per_generation=2,
+    learning_rate=2e-2,
+    beta=0.0,
+    logging_steps=1,
+    save_strategy="no",
+    seed=0,
+    use_cpu=True,
+    report_to="none",
+    disable_tqdm=True,
+)
+DEFAULT_STEPS = 16
+
+
+def _count_passes(trainer: Any, counts: dict[str, int]) -> None:
+    """Count reference and old-policy log-prob passes (no-grad calls of TRL's log-prob method)."""
+    import torch
+    import wrapt
+
+    def counter(wrapped, instance, args, kwargs):
+        model = args[0] if args else kwargs.get("model")
+        if model is getattr(instance, "ref_model", None) and model is not None:
+            counts["reference_passes"] += 1
+        elif not torch.is_grad_enabled():
+            counts["old_logprob_passes"] += 1
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(type(trainer), "_get_per_token_logps_and_entropies", counter)
+
+
+def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
+    """One training run; writes its numbers to ``out``.json and weights to ``out``.pt."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_patches
+    from grpo_patches import savings, tiny_model
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if patched:
+        grpo_patches.enable("trl")
+    counts = {"reference_passes": 0, "old_logprob_passes": 0}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=f"patches {'on ' if patched else 'off'}", unit="step", file=sys.stderr)
+
+    class Progress(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if bar is not None:
+                bar.update(1)
+
+    path = tiny_model.tiny_model_path(out.parent / "model")
+    trainer = GRPOTrainer(
+        model=path,
+        reward_funcs=tiny_model.reward_constant_per_prompt,
+        args=GRPOConfig(output_dir=str(out.parent / "trainer"), max_steps=steps, **DEMO_CONFIG),
+        train_dataset=tiny_model.prompt_dataset(16),
+        processing_class=tiny_model.load_tokenizer(path),
+        callbacks=[Progress()],
+    )
+    _count_passes(trainer, counts)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    saved = savings.totals("trl")
+    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out.with_suffix(".pt"))
+    result = {
+        **counts,
+        "rows_dropped": saved.get("rows_dropped", 0),
+        "wall_s": wall,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "final_reward": rewards[-1] if rewards else float("nan"),
+        "savings": saved,
+    }
+    out.with_suffix(".json").write_text(json.dumps(result))
+
+
+def format_table(off: dict[str, Any], on: dict[str, Any], weight_diff: float) -> str:
+    rows = [
+        ("old-logprob passes", off["old_logprob_passes"], on["old_logprob_passes"]),
+        ("reference passes", off["reference_passes"], on["reference_passes"]),
+        ("rows dropped from the update", off["rows_dropped"], on["rows_dropped"]),
+        ("wall time (s)", f"{off['wall_s']:.1f}", f"{on['wall_s']:.1f}"),
+        ("peak memory (MB, process RSS)", f"{off['peak_rss_mb']:.0f}", f"{on['peak_rss_mb']:.0f}"),
+        ("final reward", f"{off['final_reward']:.4f}", f"{on['final_reward']:.4f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':<{width}}  {'patches off':>12}  {'patches on':>12}", "-" * (width + 28)]
+    lines += [f"{name:<{width}}  {a!s:>12}  {b!s:>12}" for name, a, b in rows]
+    lines.append(f"{'max |weight difference|':<{width}}  {weight_diff:>26.3e}")
+    return "\n".join(lines)
+
+
+def run_demo(steps: int | None = None, progress: bool = True) -> int:
+    """Run both trainings and print the comparison table. Returns a process exit code."""
+    import torch
+
+    steps = steps or DEFAULT_STEPS
+    work = Path(tempfile.mkdtemp(prefix="grpo_patches_demo_"))
+    print(f"Training the embedded tiny Qwen2 model with TRL GRPOTrainer for {steps} optimizer steps, twice "
+          f"(GA=3, steps_per_generation=2, identical rewards for half the prompts).", flush=True)
+    results = {}
+    for name in ("off", "on"):
+        cmd = [sys.executable, "-m", "grpo_patches.demo", "--worker", name, "--steps", str(steps), "--out",
+               str(work / name)] + ([] if progress else ["--no-progress"])
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("GRPO_PATCHES", None)  # the demo controls patching itself
+        if subprocess.run(cmd, env=env).returncode != 0:
+            print(f"demo: the patches-{name} run failed", file=sys.stderr)
+            return 1
+        results[name] = json.loads((work / f"{name}.json").read_text())
+    w_off, w_on = torch.load(work / "off.pt"), torch.load(work / "on.pt")
+    diff = max(float((w_off[k] - w_on[k]).abs().max()) for k in w_off)
+    print()
+    print(format_table(results["off"], results["on"], diff))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="internal: one demo training run")
+    parser.add_argument("--worker", choices=["off", "on"], required=True)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    _worker(args.worker == "on", args.steps, args.out, not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
