@@ -113,9 +113,13 @@ def _on_import(module: Any) -> None:
         _hooked_modules.discard(module.__name__)  # wrapt fires a hook once, then forgets it
         for state in list(_enabled.values()):
             if state.adapter.trigger_module == module.__name__ and state.pending:
-                state.applied = apply_all(
-                    state.adapter.name, state.version, state.adapter.selected_targets(state.version, state.options)
-                )
+                try:
+                    state.applied = apply_all(
+                        state.adapter.name, state.version, state.adapter.selected_targets(state.version, state.options)
+                    )
+                except Exception:
+                    _enabled.pop(state.adapter.name, None)  # not patched: status must not say "pending"
+                    raise
 
 
 def disable(framework: str | None = None) -> None:

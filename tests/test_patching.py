@@ -192,3 +192,21 @@ def test_enable_all_only_touches_installed_supported_frameworks(fakefw):
     assert not report["verl"]["patched"] and not report["nemo_rl"]["patched"]
     grpo_patches.disable()
     assert not grpo_patches.status()["fakefw"]["patched"]
+
+
+def test_moved_target_found_at_deferred_import_fails_that_import(tmp_path):
+    site = make_site(tmp_path / "moved", missing="Trainer.moved_away")
+    code = """
+import json, grpo_patches
+grpo_patches.enable('fakefw')
+try:
+    import fakefw.trainer
+    error = None
+except Exception as exc:
+    error = f'{type(exc).__name__}: {exc}'
+print(json.dumps({'error': error, 'status': grpo_patches.status()['fakefw']}))
+"""
+    out = run_script(site, code)["out"]
+    assert out["error"].startswith("UnsupportedFrameworkError: cannot patch fakefw 1.2.0")
+    assert "fakefw.trainer:Trainer.moved_away not found" in out["error"]
+    assert out["status"]["patched"] is False and out["status"]["pending_import"] is False
