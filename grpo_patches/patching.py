@@ -84,7 +84,7 @@ def apply_all(framework: str, version: Version, targets: Sequence[PatchTarget]) 
             problems.append(f"{target.name} supports {framework} {target.versions}")
             continue
         try:
-            resolved.append((target, *_resolve(target)))
+            resolved.append((target, *_resolve(target)))  # everything must exist first
         except (ImportError, AttributeError) as exc:
             problems.append(f"{target.name} not found ({type(exc).__name__}: {exc}); declared for {target.versions}")
     if problems:
@@ -93,7 +93,9 @@ def apply_all(framework: str, version: Version, targets: Sequence[PatchTarget]) 
             + ". Install a supported version or disable the optimization that needs it."
         )
     applied = []
-    for target, parent, attribute, original, owned in resolved:
+    for target, *_ in resolved:
+        # resolve again: a later record on the same attribute wraps the earlier one
+        parent, attribute, original, owned = _resolve(target)
         proxy = wrapt.FunctionWrapper(original, target.wrapper)
         setattr(parent, attribute, proxy)
         applied.append(AppliedPatch(target, parent, attribute, original, owned, proxy))

@@ -210,3 +210,25 @@ print(json.dumps({'error': error, 'status': grpo_patches.status()['fakefw']}))
     assert out["error"].startswith("UnsupportedFrameworkError: cannot patch fakefw 1.2.0")
     assert "fakefw.trainer:Trainer.moved_away not found" in out["error"]
     assert out["status"]["patched"] is False and out["status"]["pending_import"] is False
+
+
+def test_two_records_on_one_attribute_stack_and_unwind_exactly():
+    import types
+
+    from packaging.version import Version
+
+    from grpo_patches.patching import PatchTarget, apply_all, restore_all
+
+    module = types.ModuleType("stacked_mod")
+    module.Thing = type("Thing", (), {"f": lambda self: "f"})
+    original = module.Thing.__dict__["f"]
+    sys.modules["stacked_mod"] = module
+    try:
+        outer = PatchTarget("stacked_mod", "Thing.f", lambda w, i, a, k: "outer(" + w(*a, **k) + ")", ">=1")
+        inner = PatchTarget("stacked_mod", "Thing.f", lambda w, i, a, k: "inner(" + w(*a, **k) + ")", ">=1")
+        applied = apply_all("stacked", Version("1.0"), [inner, outer])
+        assert module.Thing().f() == "outer(inner(f))"
+        restore_all(applied)
+        assert module.Thing.__dict__["f"] is original
+    finally:
+        del sys.modules["stacked_mod"]
