@@ -1,0 +1,124 @@
+"""The tiled loss reproduces TRL 1.16's own ``GRPOTrainer._compute_loss`` for every loss type.
+
+TRL's method runs unchanged on a stand-in trainer whose policy forward returns dense
+log-probs of ``hidden @ weight.T / temperature``; the tiled loss gets the options a TRL
+adapter would pass. Compared: loss, gradients of hidden and weight, and the logged metrics.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from grpo_patches.tiled_loss import tiled_grpo_loss
+from tests.tiled_loss_helpers import make_case, max_rel
+
+grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+GRPOTrainer = grpo_trainer.GRPOTrainer
+
+GA, SPG, TEMPERATURE, MAX_LEN = 3, 2, 0.8, 9
+NUM_ITEMS = 40.0  # num_items_in_batch of the generation batch
+
+
+def _fake_trainer(loss_type, hidden, weight, *, beta, level, delta, entropy_coef, is_ratio):
+    def per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        logits = (hidden @ weight.t()) / TEMPERATURE
+        log_probs = torch.log_softmax(logits, -1)
+        logps = log_probs.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return logps, entropy, None
+
+    args = types.SimpleNamespace(
+        use_bias_correction_kl=True, delta=delta, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, steps_per_generation=SPG,
+    )
+    identity = lambda x, **kw: x  # noqa: E731 - one process
+    return types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=per_token_logps_and_entropies,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
+        args=args, loss_type=loss_type, epsilon_low=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28,
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
+        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=GA,
+        accelerator=types.SimpleNamespace(
+            num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity, sync_gradients=False
+        ),
+        _metrics={"train": defaultdict(list)}, _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef,
+        use_adaptive_entropy=False, aux_loss_enabled=False, max_completion_length=MAX_LEN,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+    )
+
+
+def _adapter_options(loss_type, mask, *, beta, level, delta, entropy_coef):
+    """What a TRL adapter passes for these settings (and the factor it divides the loss by)."""
+    options = dict(loss_type=loss_type, beta=beta, kl_ratio_correction=True, importance_sampling_level=level,
+                   epsilon_low=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28, delta=delta,
+                   temperature=TEMPERATURE, max_completion_length=MAX_LEN, entropy_coef=entropy_coef,
+                   return_entropy=True, tile_size=4)
+    divide_by = GA
+    if loss_type in ("dapo", "cispo", "vespo"):
+        options["normalizer"] = NUM_ITEMS * GA / SPG  # TRL's num_items_in_batch rescaled to one window
+        divide_by = 1
+    if entropy_coef:  # TRL: token mean of the entropy / GA, whatever the policy normaliser
+        options["entropy_aggregation"] = "token-mean"
+        options["entropy_normalizer"] = float(mask.sum().clamp(min=1.0)) * GA / divide_by
+    return options, divide_by
+
+
+SETTINGS = {
+    "plain": dict(beta=0.0, level="token", delta=None, entropy_coef=0.0, vllm_is=False),
+    "kl_delta_is": dict(beta=0.04, level="token", delta=2.0, entropy_coef=0.0, vllm_is=True),
+    "sequence_entropy": dict(beta=0.04, level="sequence", delta=None, entropy_coef=0.01, vllm_is=False),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_matches_trl_compute_loss(loss_type, setting):
+    s = dict(SETTINGS[setting])
+    vllm_is = s.pop("vllm_is")
+    if loss_type == "vespo" and s["level"] == "sequence":
+        pytest.skip("TRL's VESPO expects importance_sampling_level='token'")
+    case = make_case(bias=False, seed=21)
+    mask = case["mask"]
+    is_ratio = torch.where(mask > 0, case["is_weights"], torch.ones_like(mask)) if vllm_is else None
+    B, T = mask.shape
+
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"].clone().requires_grad_()
+    trainer = _fake_trainer(loss_type, hidden, weight, is_ratio=is_ratio, **s)
+    inputs = {
+        "prompt_ids": torch.zeros(B, 0, dtype=torch.long), "prompt_mask": torch.zeros(B, 0, dtype=torch.long),
+        "completion_ids": case["labels"], "completion_mask": mask.long(), "advantages": case["advantages"],
+        "old_per_token_logps": case["old_logps"], "ref_per_token_logps": case["ref_logps"],
+        "num_items_in_batch": torch.tensor(NUM_ITEMS),
+    }
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
+    trl_loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    trl_loss.backward()
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    options, divide_by = _adapter_options(loss_type, mask, **s)
+    h2 = case["hidden"].clone().requires_grad_()
+    w2 = case["weight"].clone().requires_grad_()
+    loss, metrics = tiled_grpo_loss(h2, w2, case["labels"], case["advantages"], mask, old_logps=case["old_logps"],
+                                    ref_logps=case["ref_logps"], is_weights=is_ratio, **options)
+    loss = loss / divide_by
+    loss.backward()
+
+    assert max_rel(loss.detach(), trl_loss.detach()) <= 1e-5
+    assert max_rel(h2.grad, hidden.grad) <= 1e-5
+    assert max_rel(w2.grad, weight.grad) <= 1e-5
+    assert metrics["entropy_mean"].item() == pytest.approx(logged["entropy"], rel=1e-5, abs=1e-7)
+    if s["beta"]:
+        assert metrics["kl_mean"].item() == pytest.approx(logged["kl"], rel=1e-5, abs=1e-7)
+    if s["level"] == "token":  # TRL counts rows, not tokens, for sequence-level clip metrics
+        if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            for ours, theirs in (("clip_frac_low", "low_mean"), ("clip_frac_high", "high_mean"),
+                                 ("clip_frac", "region_mean")):
+                assert metrics[ours].item() == pytest.approx(logged[f"clip_ratio/{theirs}"], abs=1e-6)
+        if loss_type == "cispo":
+            assert metrics["clip_frac_high"].item() == pytest.approx(logged["cispo_clip_ratio"], abs=1e-6)
