@@ -36,6 +36,7 @@ DEMO_CONFIG: dict[str, Any] = dict(
     use_cpu=True,
     report_to="none",
     disable_tqdm=True,
+    bf16=False,  # GRPOConfig turns on bf16 autocast by default, even on CPU: keep the demo in fp32
 )
 DEFAULT_STEPS = 16
 

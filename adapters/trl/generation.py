@@ -1,0 +1,35 @@
+"""The one patch record on ``GRPOTrainer._generate_and_score_completions``.
+
+Two records cannot wrap the same method (``apply_all`` resolves every target before applying
+any), so the recompute decision (option ``recompute``) and the log-prob pass observer
+(option ``logprob_skip``) share this wrapper, which reads the options in force at call time.
+Evaluation calls pass straight through: they never use old log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+from grpo_patches.adapters.trl.logprob_passes import observe_logprob_passes
+from grpo_patches.adapters.trl.recompute import TRAINER_MODULE, VERSIONS, exact_recompute
+from grpo_patches.patching import PatchTarget
+
+
+def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Exact recompute, then the log-prob pass report, for each training rollout."""
+    options = api.active_options("trl")
+    if options is None or not instance.model.training:
+        return wrapped(*args, **kwargs)
+    if options.recompute:
+        output = exact_recompute(wrapped, instance, args, kwargs)
+    else:
+        output = wrapped(*args, **kwargs)
+    if options.logprob_skip:
+        observe_logprob_passes(instance, output)
+    return output
+
+
+def generation_targets(version: Any) -> list[PatchTarget]:
+    """Applied whenever TRL is enabled; each part checks its own option."""
+    return [PatchTarget(TRAINER_MODULE, "GRPOTrainer._generate_and_score_completions", generation_wrapper, VERSIONS)]

@@ -1,0 +1,163 @@
+"""Route GRPOTrainer's policy forward inside one loss call: row subsets and the tiled loss.
+
+``_compute_loss`` calls ``_get_per_token_logps_and_entropies`` once, for the whole
+micro-batch. The loss wrappers (:mod:`.filter`, :mod:`.tiled`) put a :class:`LossCall` on the
+trainer for the duration of that call; the wrapper here answers that one forward:
+
+* zero-advantage filter: the kept rows go through the model with gradients; the dropped rows
+  go through a no-grad forward (no activations kept, no backward) so that their log-probs
+  and entropies are the true ones. Both are scattered back into ``[B, T]`` tensors, so TRL's
+  own loss code sees the whole micro-batch: every denominator, every logged metric (entropy,
+  clip ratios, ...) is computed by TRL exactly as without the patch. The dropped rows have
+  an advantage of exactly 0, hence a per-token loss of exactly 0 and no gradient.
+* tiled loss: the rows' loss is computed from hidden states through ``grpo_lm_head_loss``;
+  TRL receives the detached log-probs / entropies for its metrics and its (then
+  gradient-free) loss is replaced by the tiled one.
+
+Any other call (generation-time passes, no active :class:`LossCall`) goes straight through.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+CALL_ATTR = "_grpo_patches_loss_call"
+
+#: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
+ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+#: Multimodal inputs are indexed per image / tile, not per row: rows are never split then.
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "image_sizes",
+    "spatial_shapes",
+    "num_tiles",
+    "image_position_ids",
+)
+
+#: ``tiled(trainer, bound_args, rows) -> (loss, logps, entropies)`` for a LongTensor of rows.
+TiledRows = Callable[[Any, Mapping[str, Any], Any], tuple]
+
+
+@dataclass
+class LossCall:
+    """What the loss wrappers ask of the next policy forward of one ``_compute_loss`` call.
+
+    :ivar keep: rows to run with gradients (``None``: all rows).
+    :ivar always_split: run the no-grad forward even with nothing dropped (one dummy row), so
+        every data-parallel rank runs the same number of forwards (ZeRO-3 / FSDP gather
+        parameters collectively inside each forward).
+    :ivar tiled: computes the tiled loss of a row subset (``None``: TRL's own forward).
+    :ivar tiled_loss: set by the routing wrapper: the tiled loss of the kept rows.
+    """
+
+    keep: Any = None
+    always_split: bool = False
+    tiled: TiledRows | None = None
+    tiled_loss: Any = None
+    used: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def active_call(trainer: Any) -> LossCall | None:
+    return trainer.__dict__.get(CALL_ATTR)
+
+
+class loss_call:
+    """Context manager: install a :class:`LossCall` on ``trainer`` (or reuse the outer one)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.owner = False
+
+    def __enter__(self) -> LossCall:
+        call = active_call(self.trainer)
+        if call is None:
+            call = LossCall()
+            self.trainer.__dict__[CALL_ATTR] = call
+            self.owner = True
+        return call
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.owner:
+            self.trainer.__dict__.pop(CALL_ATTR, None)
+
+
+def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def _rows_of(bound: Mapping[str, Any], rows: Any) -> dict[str, Any]:
+    out = dict(bound)
+    for name in ROW_ARGS:
+        if out.get(name) is not None:
+            out[name] = out[name].index_select(0, rows)
+    return out
+
+
+def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int) -> Any:
+    """``[B, ...]`` tensor with the kept rows (differentiable) and the dropped rows (constants)."""
+    if kept is None:
+        return None
+    out = kept.new_zeros((rows, *kept.shape[1:]))
+    out = out.index_copy(0, keep, kept)
+    if dropped is not None and drop.numel():
+        out = out.index_copy(0, drop, dropped.to(kept.dtype))
+    return out
+
+
+def make_routing_wrapper(arity: int) -> Callable[..., Any]:
+    """wrapt wrapper of ``_get_per_token_logps_and_entropies`` returning ``arity`` values
+    (2 in TRL 0.20-1.6: logps, entropies; 3 from 1.7: plus the MoE aux loss)."""
+
+    def per_token_logps_and_entropies(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        import torch
+
+        call = active_call(instance) if instance is not None else None
+        if call is None or call.used:
+            return wrapped(*args, **kwargs)
+        call.used = True  # only the policy forward of this _compute_loss call is routed
+        bound = _bind(wrapped, args, kwargs)
+        for name in MULTIMODAL_KEYS:
+            if bound.get(name) is not None:
+                raise RuntimeError(
+                    f"grpo_patches: row routing got multimodal input {name!r}; the loss wrappers must not "
+                    "route multimodal micro-batches (please report this)"
+                )
+        batch = int(bound["input_ids"].size(0))
+        device = bound["input_ids"].device
+        keep = call.keep if call.keep is not None else torch.arange(batch, device=device)
+        keep = keep.to(device)
+        dropped_mask = torch.ones(batch, dtype=torch.bool, device=device)
+        dropped_mask[keep] = False
+        drop = torch.nonzero(dropped_mask).flatten()
+
+        if call.tiled is not None:
+            loss, logps, entropies = call.tiled(instance, bound, keep)
+            call.tiled_loss = loss  # normalised by the whole micro-batch's denominators
+            kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach())
+        else:
+            if drop.numel() == 0 and not call.always_split:
+                return wrapped(**bound)
+            kept_out = tuple(wrapped(**_rows_of(bound, keep)))
+
+        dropped_out: tuple = (None, None)
+        if drop.numel() or call.always_split:
+            rows = drop if drop.numel() else keep[:1]  # dummy row: same number of forwards on every rank
+            with torch.no_grad():
+                dropped_out = tuple(wrapped(**_rows_of(bound, rows)))
+            if not drop.numel():
+                dropped_out = (None, None)
+        logps = _merge(kept_out[0], dropped_out[0], keep, drop, batch)
+        entropies = _merge(kept_out[1], dropped_out[1], keep, drop, batch)
+        if arity == 2:
+            return logps, entropies
+        aux = kept_out[2] if len(kept_out) > 2 else None
+        return logps, entropies, aux
+
+    return per_token_logps_and_entropies

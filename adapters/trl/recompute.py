@@ -1,0 +1,219 @@
+"""Exact old-logprob recompute for TRL's ``GRPOTrainer`` (TRL 0.20 - 1.16).
+
+TRL decides once for the whole run: ``_generate_and_score_completions`` computes old
+log-probs iff ``args.gradient_accumulation_steps % (steps_per_generation * num_iterations)
+!= 0`` (or the vLLM importance-sampling correction is on). That wastes a forward pass per
+rollout when the rollout is consumed inside one accumulation window anyway, and goes stale
+when the HF Trainer shortens a window (epoch end) while GA is a multiple of the rollout size.
+
+The patch decides per rollout with the ``grpo_recompute_old_logps`` hook, fed with:
+
+- ``window_steps_left``: micro-steps left in the HF Trainer's *real* accumulation window,
+  counted by wrapping ``training_step`` (the count restarts whenever ``state.global_step``
+  moves or a new ``TrainerState`` appears, i.e. each optimizer step, each ``train()`` call,
+  each resume) against ``current_gradient_accumulation_steps`` (the window's real length;
+  derived from the epoch length on transformers versions without it).
+- ``consumptions_left``: ``spg * num_iterations - _step % (spg * num_iterations)`` (TRL's
+  ``_step`` at generation, the same in every supported version), capped at the micro-steps
+  left in training.
+
+It applies the answer without copying TRL's method: for the duration of the call
+``self.args`` is a view whose ``gradient_accumulation_steps`` makes TRL's own modulo test
+give the hook's answer (TRL reads that field nowhere else in the method or below it).
+The result is checked (``old_per_token_logps`` present iff decided), so a moved condition is
+an error, never a silent stale rollout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import wrapt
+
+from grpo_patches import api
+from grpo_patches.adapters.trl import metrics
+from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
+from grpo_patches.patching import PatchTarget
+from grpo_patches.plugins import hook
+from grpo_patches.recompute import cap_consumptions, window_steps_left
+from grpo_patches.schedule import hf_micro_steps_left
+
+TRAINER_MODULE = "trl.trainer.grpo_trainer"
+VERSIONS = ">=0.20,<1.17"
+_WINDOW_ATTR = "_grpo_patches_window"
+_DECISION_ATTR = "_grpo_patches_last_recompute"
+
+
+@dataclass
+class _Window:
+    """Micro-steps finished in the current accumulation window of one ``train()`` call."""
+
+    state: Any  # the TrainerState the count belongs to (a new train()/resume makes a new one)
+    global_step: int  # optimizer steps done when the window began
+    done: int
+
+
+@dataclass(frozen=True)
+class RecomputeDecision:
+    """One rollout's decision, kept on the trainer for the log-prob observer and tests."""
+
+    compute: bool  # old log-probs are computed for this rollout
+    upstream: bool  # what TRL's own modulo rule would have done
+    consumptions_left: int
+    window_steps_left: int
+    importance_sampling: bool
+
+
+def _window_index(trainer: Any) -> int:
+    """0-based index of the running micro-step within its accumulation window."""
+    window = trainer.__dict__.get(_WINDOW_ATTR)
+    if window is None or window.state is not trainer.state or window.global_step != trainer.state.global_step:
+        return 0
+    return window.done
+
+
+def track_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``training_step`` wrapper: count the micro-steps of the current accumulation window."""
+    index = _window_index(instance)
+    instance.__dict__[_WINDOW_ATTR] = _Window(instance.state, instance.state.global_step, index)
+    result = wrapped(*args, **kwargs)
+    instance.__dict__[_WINDOW_ATTR].done = index + 1
+    return result
+
+
+def importance_sampling_on(trainer: Any) -> bool:
+    """vLLM importance-sampling correction (absent before TRL 0.21) needs old log-probs always."""
+    return bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+
+
+def generate_every(trainer: Any) -> int:
+    """Micro-steps that consume one rollout: ``steps_per_generation * num_iterations``."""
+    return int(trainer.args.steps_per_generation) * int(trainer.num_iterations)
+
+
+def upstream_rule(trainer: Any) -> bool:
+    """TRL's own decision (0.20 - 1.16), the same for every rollout."""
+    return trainer.args.gradient_accumulation_steps % generate_every(trainer) != 0 or importance_sampling_on(trainer)
+
+
+def _steps_in_epoch(trainer: Any) -> int:
+    # the HF Trainer keeps the epoch's dataloader on its callback handler (len = micro-steps)
+    loader = getattr(trainer.callback_handler, "train_dataloader", None)
+    try:
+        return len(loader)
+    except TypeError:  # no length (iterable dataset): the Trainer then uses max_steps * GA
+        return trainer.state.max_steps * trainer.args.gradient_accumulation_steps
+
+
+def _window_length(trainer: Any, ga: int) -> int:
+    """The current window's real length: the Trainer's ``current_gradient_accumulation_steps``
+    (transformers >= 4.55); before that, derived the way the Trainer cuts an epoch (windows
+    of GA, the epoch's last one ``steps_in_epoch % GA`` long)."""
+    length = getattr(trainer, "current_gradient_accumulation_steps", None)
+    if length:
+        return int(length)
+    steps_in_epoch = _steps_in_epoch(trainer)
+    per_epoch = -(-steps_in_epoch // ga)
+    last_in_epoch = trainer.state.global_step % per_epoch == per_epoch - 1
+    return (steps_in_epoch % ga or ga) if last_in_epoch else ga
+
+
+def decide(trainer: Any) -> RecomputeDecision:
+    """Ask the ``grpo_recompute_old_logps`` hook about the rollout generated now."""
+    ga = int(trainer.args.gradient_accumulation_steps)
+    window_len = _window_length(trainer, ga)
+    index = _window_index(trainer)
+    sampling = importance_sampling_on(trainer)
+    upstream = upstream_rule(trainer)
+    # more micro-steps than the window's length: a window that did not end where told (e.g.
+    # transformers < 4.57 after a mid-epoch resume) or a changed loop; stay safe, recompute
+    if index >= window_len:
+        return RecomputeDecision(True, upstream, generate_every(trainer), 1, sampling)
+    left_in_window = window_steps_left(index, window_len)
+    every = generate_every(trainer)
+    per_rollout = every - trainer._step % every
+    state = trainer.state
+    left_in_training = hf_micro_steps_left(state.global_step, state.max_steps, left_in_window, ga, _steps_in_epoch(trainer))
+    consumptions = cap_consumptions(per_rollout, max(left_in_training, 1))
+    answer = hook().grpo_recompute_old_logps(
+        framework="trl",
+        consumptions_left=consumptions,
+        window_steps_left=left_in_window,
+        importance_sampling=sampling,
+    )
+    compute = upstream if answer is None else bool(answer) or sampling
+    return RecomputeDecision(compute, upstream, consumptions, left_in_window, sampling)
+
+
+class _ArgsView(wrapt.ObjectProxy):
+    """``trainer.args`` with another ``gradient_accumulation_steps`` (everything else forwarded)."""
+
+    def __init__(self, args: Any, gradient_accumulation_steps: int) -> None:
+        super().__init__(args)
+        self._self_gradient_accumulation_steps = gradient_accumulation_steps
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._self_gradient_accumulation_steps
+
+
+def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``_generate_and_score_completions`` (training mode) computing old log-probs iff
+    this rollout needs them. Called by :func:`.generation.generation_wrapper`."""
+    decision = decide(instance)
+    every = generate_every(instance)
+    compute = decision.compute
+    if compute and every == 1 and not decision.importance_sampling:
+        # TRL's modulo test cannot be made true; a rollout consumed by one micro-step is on-policy
+        warnings.warn(
+            "grpo_patches: the grpo_recompute_old_logps hook asked for old log-probs with "
+            "steps_per_generation * num_iterations == 1; TRL cannot compute them there and they "
+            "are never needed (the rollout is consumed by the micro-step that generated it)",
+            GrpoPatchesWarning,
+            stacklevel=2,
+        )
+        compute = False
+        decision = replace(decision, compute=False)
+    original_args = instance.__dict__["args"]
+    instance.args = _ArgsView(original_args, every + 1 if compute else every)
+    try:
+        output = wrapped(*args, **kwargs)
+    finally:
+        instance.args = original_args
+    if ("old_per_token_logps" in output) != compute:
+        raise UnsupportedFrameworkError(
+            "grpo_patches: GRPOTrainer._generate_and_score_completions no longer follows the "
+            f"gradient_accumulation_steps modulo rule (old log-probs {'missing' if compute else 'present'} "
+            f"after deciding compute={compute}); disable this patch with grpo_patches.enable('trl', recompute=False)"
+        )
+    instance.__dict__[_DECISION_ATTR] = decision
+    metrics.report(
+        instance,
+        old_logprob_passes_skipped=int(decision.upstream and not compute),
+        old_logprob_passes_added=int(compute and not decision.upstream),
+    )
+    computed = metrics.add_count(instance, "old_logprob_passes", int(compute))
+    rollouts = metrics.add_count(instance, "rollouts", 1)
+    api.note(
+        "trl",
+        "old_logprob_pass",
+        f"computed for {int(computed)} of {int(rollouts)} rollouts "
+        f"(TRL's modulo rule: {'every' if decision.upstream else 'none'}); last: "
+        f"consumptions_left={decision.consumptions_left}, window_steps_left={decision.window_steps_left}, "
+        f"importance_sampling={decision.importance_sampling}",
+    )
+    return output
+
+
+def last_decision(trainer: Any) -> RecomputeDecision | None:
+    """The decision taken for the trainer's latest rollout (``None`` before the first)."""
+    return trainer.__dict__.get(_DECISION_ATTR)
+
+
+def recompute_targets(version: Any) -> list[PatchTarget]:
+    """The window counter (option ``recompute``). The decision itself runs inside the one
+    ``_generate_and_score_completions`` record of :mod:`.generation` (two records cannot
+    wrap the same method)."""
+    return [PatchTarget(TRAINER_MODULE, "GRPOTrainer.training_step", track_window, VERSIONS, option="recompute")]

@@ -1,0 +1,163 @@
+"""A tiny local Qwen2-style causal LM, word-level tokenizer, prompts and rewards (no hub).
+
+Used by the end-to-end tests, the benchmarks and ``grpo-patches demo``: everything is built
+from a config with a fixed seed, saved with ``save_pretrained`` and handed out as a path (a
+path, not an instance, lets TRL build its own reference model when ``beta != 0``).
+transformers, tokenizers, datasets and torch are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+#: Special tokens of the word-level vocabulary (ids 0..3).
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>", "<bos>")
+#: Plain words: 26 letters x 9 "syllables" + digits → a vocabulary of about 250 words.
+_SYLLABLES = ("a", "e", "i", "o", "u", "an", "en", "or", "us")
+WORDS: tuple[str, ...] = tuple(f"{c}{s}" for c in "bcdfghjklmnpqrstvwxyz" for s in _SYLLABLES) + tuple(
+    str(d) for d in range(10)
+)
+
+#: No token_type_ids: older transformers pass them to generate(), which Qwen2 rejects.
+MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
+
+_lock = threading.Lock()
+_cache: dict[tuple[str, int], str] = {}
+
+
+def vocabulary() -> dict[str, int]:
+    """The word -> id map (specials first)."""
+    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *WORDS))}
+
+
+def build_tokenizer() -> Any:
+    """A ``PreTrainedTokenizerFast`` over a WordLevel model with whitespace pre-tokenization."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        model_input_names=MODEL_INPUT_NAMES,
+    )
+    tok.padding_side = "left"  # decoder-only generation pads on the left
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """Load the saved tokenizer as ``PreTrainedTokenizerFast`` (``AutoTokenizer`` would pick
+    the Qwen2 tokenizer class from the model config and mis-tokenize the word vocabulary)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path), model_input_names=MODEL_INPUT_NAMES)
+    tok.padding_side = "left"
+    return tok
+
+
+def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Any:
+    """A randomly initialised Qwen2ForCausalLM (fp32) with tied embeddings."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok_vocab = len(SPECIAL_TOKENS) + len(WORDS)
+    config = Qwen2Config(
+        vocab_size=tok_vocab,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=3,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model
+
+
+def tiny_model_path(directory: str | os.PathLike | None = None, seed: int = 0) -> str:
+    """Save the tiny model + tokenizer under ``directory`` (a per-process temp dir by default).
+
+    Cached per process and (directory, seed): repeated calls return the same path without
+    rebuilding. Returns the directory path as a string.
+    """
+    key = (str(directory) if directory is not None else "", seed)
+    with _lock:
+        if key in _cache and Path(_cache[key], "config.json").exists():
+            return _cache[key]
+        base = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="grpo_patches_tiny_"))
+        path = base / f"tiny-qwen2-seed{seed}"
+        if not (path / "config.json").exists():
+            path.mkdir(parents=True, exist_ok=True)
+            build_model(seed).save_pretrained(path)
+            build_tokenizer().save_pretrained(path)
+        _cache[key] = str(path)
+        return str(path)
+
+
+def prompts(n: int = 8, words_per_prompt: int = 4, seed: int = 0) -> list[str]:
+    """``n`` distinct deterministic plain-string prompts (no chat template needed)."""
+    out = []
+    for i in range(n):
+        # a simple LCG so the prompts do not depend on Python's random module state
+        state = (seed * 7919 + i * 104729 + 17) % 2147483647
+        words = []
+        for _ in range(words_per_prompt):
+            state = (state * 48271) % 2147483647
+            words.append(WORDS[state % len(WORDS)])
+        out.append(" ".join(words))
+    return out
+
+
+def prompt_dataset(n: int = 8, words_per_prompt: int = 4, seed: int = 0) -> Any:
+    """A ``datasets.Dataset`` with a ``prompt`` column of plain strings."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": prompts(n, words_per_prompt, seed)})
+
+
+def _char_sum(text: str) -> int:
+    return sum(ord(c) for c in text)
+
+
+def reward_char_sum(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Deterministic, varied reward: the completion's character-code sum modulo 97, scaled.
+
+    Different completions of one prompt almost always differ, so advantages are non-zero.
+    """
+    return [(_char_sum(c) % 97) / 97.0 for c in completions]
+
+
+def reward_length(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Deterministic reward: number of words in the completion, divided by 10."""
+    return [len(c.split()) / 10.0 for c in completions]
+
+
+def reward_constant_per_prompt(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """The same reward for every completion of a prompt on half the prompts (exactly zero
+    advantage for those groups: identical rewards give mean == each reward and std == 0, so
+    ``reward - mean`` is exactly 0.0); the character-sum reward on the other half.
+    """
+    out = []
+    for p, c in zip(prompts, completions):
+        if _char_sum(p) % 2 == 0:
+            out.append(float(_char_sum(p) % 5))  # small integer: mean of equal ints is exact
+        else:
+            out.append((_char_sum(c) % 97) / 97.0)
+    return out

@@ -1,0 +1,76 @@
+"""Tiled lm-head loss in TRL's GRPOTrainer: the loss from hidden states, TRL's result.
+
+Runs the tiny model for 3 SGD steps with ``tiled_loss=True`` (recompute / logprob_skip /
+filter off unless stated) against upstream TRL. The tiled loss computes the lm-head in fp32
+tiles instead of TRL's chunked log-prob kernel, so sums run in another order: losses, grad
+norms and the metrics TRL logs (entropy, clip ratios, KL, cispo / vespo metrics) agree to
+1e-5 relative, weights to 1e-6 absolute (SGD: see test_trl_filter for why not Adam). A wrong
+normaliser or objective moves the weights by ~1e-2. bf16=False: TRL's default bf16 autocast
+runs its own lm-head in bf16 on CPU, which differs from an fp32 head by ~1e-3 in log-probs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("trl")
+
+from packaging.version import Version  # noqa: E402
+
+from grpo_patches import tiny_model  # noqa: E402
+from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
+from tests.test_trl_filter import assert_same_metrics  # noqa: E402
+from tests.test_trl_filter import run as upstream_or_filter_run  # noqa: E402
+from tests.trl_harness import train  # noqa: E402
+
+BASE = dict(recompute=False, logprob_skip=False, zero_advantage_filter=False)
+COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")
+
+
+@functools.lru_cache(maxsize=None)
+def run(patched: bool, filter_on: bool = False, **config: object):
+    if not patched:  # the upstream runs are the filter tests' (same config): share the cache
+        return upstream_or_filter_run(False, **config)
+    return train(True, dict(BASE, tiled_loss=True, zero_advantage_filter=filter_on), **COMMON, **config)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo"])
+def test_tiled_loss_matches_trl(loss_type):
+    ref, got = run(False, loss_type=loss_type), run(True, loss_type=loss_type)
+    assert got.status["targets"] and any(t.endswith("GRPOTrainer.compute_loss") for t in got.status["targets"])
+    assert ref.max_weight_diff(got) < 1e-6
+    assert_same_metrics(ref, got)
+
+
+def test_tiled_loss_with_kl_and_sequence_level_ratio():
+    config = dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence")
+    ref, got = run(False, **config), run(True, **config)
+    assert ref.metrics("kl") and ref.max_weight_diff(got) < 1e-6
+    assert_same_metrics(ref, got)
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "vespo"])
+def test_tiled_loss_with_zero_advantage_filter(loss_type):
+    ref, got = run(False, loss_type=loss_type), run(True, True, loss_type=loss_type)
+    assert got.savings["rows_dropped"] > 0
+    assert ref.max_weight_diff(got) < 1e-6
+    assert_same_metrics(ref, got)
+
+
+def test_tiled_loss_refuses_entropy_mask():
+    with pytest.raises(IncompatibleOptionsError, match="tiled_loss=True.*top_entropy_quantile"):
+        train(True, dict(BASE, tiled_loss=True), steps=1, top_entropy_quantile=0.5)
+
+
+def test_loss_targets_branch_on_version():
+    from grpo_patches.adapters.trl.loss import loss_targets
+
+    for version, arity_range in (("1.16.0", ">=1.7.0.dev0,<1.17"), ("0.20.0", ">=0.20,<1.7.0.dev0")):
+        records = {t.attribute: t for t in loss_targets(Version(version))}
+        routing = records["GRPOTrainer._get_per_token_logps_and_entropies"]
+        assert routing.versions == arity_range and routing.supports(Version(version))
+        assert records["GRPOTrainer._compute_loss"].option == "zero_advantage_filter"
+        tiled = records["GRPOTrainer.compute_loss"]
+        assert tiled.option == "tiled_loss" and tiled.supports(Version(version)) == (version == "1.16.0")

@@ -1,0 +1,149 @@
+"""Shared end-to-end fixture: train TRL's GRPOTrainer on the tiny model, patches off or on.
+
+Stable API (other test modules rely on it)::
+
+    from tests.trl_harness import train
+    result = train(patched=True, options={"recompute": True}, steps=4, gradient_accumulation_steps=3)
+    result.weights       # {name: tensor} copy of the final state_dict
+    result.log_history   # trainer.state.log_history
+    result.savings       # grpo_patches.savings.totals("trl") for this run
+    result.metrics(name) # the values of one logged metric, in order
+
+Every run starts from the same saved tiny model with the same seeds, so the unpatched and
+patched runs see identical data and generations; only the patches differ.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+#: GRPOConfig values every run uses unless overridden: 8 prompts x 4 generations, GA=3 and
+#: steps_per_generation=2 (misaligned: upstream recomputes old log-probs on every rollout).
+DEFAULT_CONFIG: dict[str, Any] = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    gradient_accumulation_steps=3,
+    steps_per_generation=2,
+    learning_rate=5e-2,
+    beta=0.0,
+    temperature=1.0,
+    logging_steps=1,
+    save_strategy="no",
+    seed=0,
+    use_cpu=True,
+    report_to="none",
+    disable_tqdm=True,
+)
+
+
+@dataclass
+class RunResult:
+    """What one training run produced."""
+
+    weights: dict[str, Any]
+    log_history: list[dict[str, Any]]
+    savings: dict[str, float]
+    status: dict[str, Any]
+    output_dir: str
+    global_step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self, name: str) -> list[float]:
+        """Every logged value of ``name`` (per logging step), in order."""
+        return [row[name] for row in self.log_history if name in row]
+
+    def max_weight_diff(self, other: "RunResult") -> float:
+        """Largest absolute difference between the final weights of two runs."""
+        return max(float((self.weights[k] - other.weights[k]).abs().max()) for k in self.weights)
+
+    def same_weights(self, other: "RunResult") -> bool:
+        """Bitwise equality of the final weights."""
+        import torch
+
+        return all(torch.equal(self.weights[k], other.weights[k]) for k in self.weights)
+
+
+def train(
+    patched: bool | None,
+    options: dict[str, Any] | None = None,
+    steps: int = 4,
+    *,
+    reward_funcs: Callable | Sequence[Callable] | None = None,
+    dataset: Any = None,
+    num_prompts: int = 8,
+    output_dir: str | None = None,
+    resume_from_checkpoint: str | bool | None = None,
+    plugins: Sequence[Any] = (),
+    callbacks: Sequence[Any] = (),
+    trainer_hook: Callable[[Any], None] | None = None,
+    trainer_class: type | None = None,
+    **grpo_config_overrides: Any,
+) -> RunResult:
+    """Train ``steps`` optimizer steps (``max_steps``) and return the final state.
+
+    :param patched: ``grpo_patches.enable("trl", **options)`` for the run (always disabled
+        again afterwards); ``False`` runs upstream TRL; ``None`` leaves the patch state as it
+        is (for runs patched by ``GRPO_PATCHES`` or an earlier ``enable``).
+    :param options: options for :func:`grpo_patches.enable`.
+    :param reward_funcs: reward function(s); default :func:`reward_char_sum`.
+    :param dataset: a prompt dataset; default ``prompt_dataset(num_prompts)``.
+    :param output_dir: where checkpoints go (a fresh temp dir by default).
+    :param resume_from_checkpoint: passed to ``trainer.train``.
+    :param plugins: pluggy plugins registered for the run only (e.g. to override a hook).
+    :param callbacks: extra ``TrainerCallback``s.
+    :param trainer_hook: called with the built trainer before training (e.g. to spy on it).
+    :param trainer_class: a ``GRPOTrainer`` subclass to build instead (e.g. a custom sampler).
+    :param grpo_config_overrides: ``GRPOConfig`` fields overriding :data:`DEFAULT_CONFIG`.
+    """
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_patches
+    from grpo_patches import savings, tiny_model
+
+    config = {**DEFAULT_CONFIG, "max_steps": steps, **grpo_config_overrides}
+    config["output_dir"] = output_dir or tempfile.mkdtemp(prefix="grpo_patches_trl_run_")
+    savings.reset("trl")
+    pm = grpo_patches.plugin_manager()
+    for plugin in plugins:
+        pm.register(plugin)
+    if patched is not None:
+        grpo_patches.disable("trl")
+    try:
+        if patched:
+            grpo_patches.enable("trl", **(options or {}))
+        args = GRPOConfig(**config)
+        trainer = (trainer_class or GRPOTrainer)(
+            model=tiny_model.tiny_model_path(),
+            reward_funcs=reward_funcs if reward_funcs is not None else tiny_model.reward_char_sum,
+            args=args,
+            train_dataset=dataset if dataset is not None else tiny_model.prompt_dataset(num_prompts),
+            processing_class=tiny_model.load_tokenizer(tiny_model.tiny_model_path()),
+            callbacks=list(callbacks) or None,
+        )
+        if trainer_hook is not None:
+            trainer_hook(trainer)
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        status = grpo_patches.status()["trl"]
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        return RunResult(
+            weights=weights,
+            log_history=list(trainer.state.log_history),
+            savings=savings.totals("trl"),
+            status=status,
+            output_dir=config["output_dir"],
+            global_step=trainer.state.global_step,
+        )
+    finally:
+        if patched is not None:
+            grpo_patches.disable("trl")
+        for plugin in plugins:
+            pm.unregister(plugin)
+        torch.set_grad_enabled(True)
