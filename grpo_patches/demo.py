@@ -91,6 +91,9 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
         processing_class=tiny_model.load_tokenizer(path),
         callbacks=[Progress()],
     )
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # the table below is the output, not per-step log dicts
     _count_passes(trainer, counts)
     start = time.perf_counter()
     trainer.train()

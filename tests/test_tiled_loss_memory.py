@@ -123,3 +123,14 @@ def test_low_precision_matches_dense_at_stated_tolerance(dtype):
     for name, grad in dense[2].items():
         assert tiled[2][name].dtype == dtype, name
         assert max_rel(tiled[2][name], grad) <= rtol, name
+
+
+def test_default_tile_is_capped_and_fits_the_budget():
+    from grpo_patches.tiled_loss.options import resolve_options
+    from grpo_patches.tiled_loss.tiling import MAX_DEFAULT_TILE, choose_tile_size
+
+    assert choose_tile_size(4096, 151936, resolve_options()) == MAX_DEFAULT_TILE == 512
+    assert choose_tile_size(100, 151936, resolve_options()) == 100  # never more than the tokens
+    small = resolve_options(tile_memory_bytes=64 * 151936 * 4)
+    assert choose_tile_size(4096, 151936, small) == 64  # the budget binds below the cap
+    assert choose_tile_size(4096, 151936, resolve_options(tile_size=2000)) == 2000  # explicit wins

@@ -147,3 +147,27 @@ def train(
         for plugin in plugins:
             pm.unregister(plugin)
         torch.set_grad_enabled(True)
+
+
+def installed_loss_types() -> set[str]:
+    """The ``loss_type`` values the installed TRL's ``_compute_loss`` branches on."""
+    import inspect
+    import re
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    lines = inspect.getsource(GRPOTrainer._compute_loss).splitlines()
+    found: set[str] = set()
+    for line in lines:
+        if "loss_type ==" in line or "loss_type in" in line:  # branches, not the != guards
+            found.update(re.findall(r"""["']([a-z_]+)["']""", line))
+    return found
+
+
+def require_loss_type(loss_type: str) -> None:
+    """Skip (with the reason) when the installed TRL has no such loss type."""
+    import pytest
+    import trl
+
+    if loss_type not in installed_loss_types():
+        pytest.skip(f"TRL {trl.__version__} has no loss_type={loss_type!r}")

@@ -76,7 +76,7 @@ def tiled_grpo_loss(
         ``off_policy_mask_threshold``, ``beta`` (KL coefficient, 0), ``kl_estimator``
         (k1/k2/k3), ``kl_clamp``, ``kl_ratio_correction`` (TRL use_bias_correction_kl),
         ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``tile_size``,
-        ``tile_memory_bytes`` (fp32 logits-tile budget, 512 MiB), ``return_logps``,
+        ``tile_memory_bytes`` (fp32 logits-tile budget, 512 MiB; the default tile is also capped at 512 tokens), ``return_logps``,
         ``return_entropy``, ``return_token_metrics``, ``retain_grads`` (keep the stored
         gradients so that backward may run more than once, e.g. gradcheck; costs a copy).
     :return: ``(loss, metrics)``: a scalar fp32 loss (fp64 for fp64 inputs) and detached
