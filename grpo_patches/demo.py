@@ -39,6 +39,8 @@ DEMO_CONFIG: dict[str, Any] = dict(
     bf16=False,  # GRPOConfig turns on bf16 autocast by default, even on CPU: keep the demo in fp32
 )
 DEFAULT_STEPS = 16
+#: Wider than the tests' model so that the passes saved are visible next to per-call overhead.
+MODEL_HIDDEN, MODEL_LAYERS = 256, 4
 
 
 def _count_passes(trainer: Any, counts: dict[str, int]) -> None:
@@ -67,6 +69,9 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
     import grpo_patches
     from grpo_patches import savings, tiny_model
 
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes via TRL
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if patched:
         grpo_patches.enable("trl")
@@ -82,7 +87,7 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
             if bar is not None:
                 bar.update(1)
 
-    path = tiny_model.tiny_model_path(out.parent / "model")
+    path = tiny_model.tiny_model_path(out.parent / "model", hidden_size=MODEL_HIDDEN, num_layers=MODEL_LAYERS)
     trainer = GRPOTrainer(
         model=path,
         reward_funcs=tiny_model.reward_constant_per_prompt,

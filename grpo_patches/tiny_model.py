@@ -26,7 +26,7 @@ WORDS: tuple[str, ...] = tuple(f"{c}{s}" for c in "bcdfghjklmnpqrstvwxyz" for s 
 MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, int], str] = {}
+_cache: dict[tuple[str, int, int, int], str] = {}
 
 
 def vocabulary() -> dict[str, int]:
@@ -91,21 +91,24 @@ def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> An
     return model
 
 
-def tiny_model_path(directory: str | os.PathLike | None = None, seed: int = 0) -> str:
+def tiny_model_path(
+    directory: str | os.PathLike | None = None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+) -> str:
     """Save the tiny model + tokenizer under ``directory`` (a per-process temp dir by default).
 
-    Cached per process and (directory, seed): repeated calls return the same path without
-    rebuilding. Returns the directory path as a string.
+    Cached per process and (directory, seed, size): repeated calls return the same path
+    without rebuilding. Returns the directory path as a string.
     """
-    key = (str(directory) if directory is not None else "", seed)
+    key = (str(directory) if directory is not None else "", seed, hidden_size, num_layers)
     with _lock:
         if key in _cache and Path(_cache[key], "config.json").exists():
             return _cache[key]
         base = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="grpo_patches_tiny_"))
-        path = base / f"tiny-qwen2-seed{seed}"
+        size = "" if (hidden_size, num_layers) == (64, 2) else f"-h{hidden_size}-l{num_layers}"
+        path = base / f"tiny-qwen2-seed{seed}{size}"
         if not (path / "config.json").exists():
             path.mkdir(parents=True, exist_ok=True)
-            build_model(seed).save_pretrained(path)
+            build_model(seed, hidden_size, num_layers).save_pretrained(path)
             build_tokenizer().save_pretrained(path)
         _cache[key] = str(path)
         return str(path)
