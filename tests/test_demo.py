@@ -1,0 +1,28 @@
+"""The README's main job: ``grpo-patches demo`` trains twice and prints the comparison table."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl")
+
+
+def test_demo_prints_fewer_passes_and_identical_weights():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("GRPO_PATCHES", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_patches.cli", "demo", "--steps", "4", "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    off, on = map(int, re.search(r"old-logprob passes\s+(\d+)\s+(\d+)", out).groups())
+    assert on < off  # GA=3 / steps_per_generation=2: upstream recomputes every rollout
+    dropped = re.search(r"rows dropped from the update\s+(\d+)\s+(\d+)", out).groups()
+    assert dropped[0] == "0" and int(dropped[1]) > 0
+    assert float(re.search(r"max \|weight difference\|\s+(\S+)", out).group(1)) == 0.0
