@@ -85,3 +85,9 @@ def test_run_parses_lists_and_off_values(fake_site, monkeypatch):
     assert _startup.run({"GRPO_PATCHES": "off"}) == []
     assert _startup.run({}) == []
     assert sys.executable  # run() with a real framework is covered by the subprocess tests
+
+
+def test_importing_the_core_imports_no_framework_and_no_torch(fake_site):
+    code = ("import json, sys, grpo_patches; grpo_patches.status(); "
+            "print(json.dumps(sorted(m for m in ('torch', 'trl', 'transformers', 'verl', 'nemo_rl') if m in sys.modules)))")
+    assert run_script(fake_site, code)["out"] == []
