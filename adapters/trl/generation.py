@@ -1,8 +1,8 @@
 """The one patch record on ``GRPOTrainer._generate_and_score_completions``.
 
-Two records cannot wrap the same method (``apply_all`` resolves every target before applying
-any), so the recompute decision (option ``recompute``) and the log-prob pass observer
-(option ``logprob_skip``) share this wrapper, which reads the options in force at call time.
+The recompute decision (option ``recompute``) and the log-prob pass observer (option
+``logprob_skip``) share this wrapper: the observer checks the output of the decided call, and
+one wrapper reads the options in force at call time.
 Evaluation calls pass straight through: they never use old log-probs.
 """
 
