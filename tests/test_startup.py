@@ -91,3 +91,14 @@ def test_importing_the_core_imports_no_framework_and_no_torch(fake_site):
     code = ("import json, sys, grpo_patches; grpo_patches.status(); "
             "print(json.dumps(sorted(m for m in ('torch', 'trl', 'transformers', 'verl', 'nemo_rl') if m in sys.modules)))")
     assert run_script(fake_site, code)["out"] == []
+
+
+def test_adapters_install_only_as_a_subpackage(tmp_path):
+    import subprocess
+
+    code = ("import importlib.util, json, grpo_patches.adapters.trl as t; "
+            "print(json.dumps([t.ADAPTER.name, importlib.util.find_spec('adapters') is None]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # no top-level "adapters" (it would shadow the PyPI package of that name)
+    assert proc.stdout.strip() == '["trl", true]'
