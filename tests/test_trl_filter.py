@@ -86,8 +86,10 @@ def test_filter_off_with_beta_under_auto_says_so_and_changes_nothing():
     ("setting", "name"), [({"beta": 0.04}, "beta"), ({"top_entropy_quantile": 0.5}, "top_entropy_quantile")]
 )
 def test_filter_true_refuses_inexact_settings(setting, name):
+    built: list = []  # trainer_hook runs once the trainer exists: the error must come before
     with pytest.raises(IncompatibleOptionsError, match=f"zero_advantage_filter=True.*{name}"):
-        train(True, dict(ONLY_FILTER, zero_advantage_filter=True), steps=1, **setting)
+        train(True, dict(ONLY_FILTER, zero_advantage_filter=True), steps=1, trainer_hook=built.append, **setting)
+    assert built == []
 
 
 def test_filter_false_does_not_wrap_compute_loss():

@@ -78,8 +78,10 @@ def test_tiled_loss_with_zero_advantage_filter(loss_type):
 
 @needs_tiled
 def test_tiled_loss_refuses_entropy_mask():
+    built: list = []  # refused when the trainer is built, before any generation
     with pytest.raises(IncompatibleOptionsError, match="tiled_loss=True.*top_entropy_quantile"):
-        train(True, dict(BASE, tiled_loss=True), steps=1, top_entropy_quantile=0.5)
+        train(True, dict(BASE, tiled_loss=True), steps=1, top_entropy_quantile=0.5, trainer_hook=built.append)
+    assert built == []
 
 
 def test_loss_targets_branch_on_version():

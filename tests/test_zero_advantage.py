@@ -226,7 +226,7 @@ def _trl_loss_types_in_compute_loss() -> set[str]:
 
 def test_aggregation_for_covers_every_trl_loss_type():
     loss_types = _trl_loss_types_in_compute_loss()
-    assert {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"} <= loss_types
+    assert {"grpo", "bnpo", "dr_grpo"} <= loss_types  # in every supported TRL (0.20+); the scan works
     for loss_type in loss_types:
         assert aggregation_for("trl", loss_type) in AGGREGATIONS
 

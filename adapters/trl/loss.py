@@ -9,12 +9,15 @@ Three declared records on ``trl.trainer.grpo_trainer.GRPOTrainer``:
 * ``_compute_loss`` (``zero_advantage_filter``; TRL 0.20-1.16): :mod:`.filter`.
 * ``compute_loss`` (``tiled_loss``; TRL 1.16, whose loss normalisers it reproduces):
   :mod:`.tiled`. Enabling ``tiled_loss`` on an older TRL is one clear error naming the range.
+* ``__init__`` (while either is on): checks the new trainer's config at once, so an
+  incompatible setting is an error when the trainer is built, not after the first rollout.
 """
 
 from __future__ import annotations
 
 from packaging.version import Version
 
+from grpo_patches import api
 from grpo_patches.patching import PatchTarget
 
 from . import filter as zero_advantage_filter
@@ -26,6 +29,17 @@ MODULE = "trl.trainer.grpo_trainer"
 FILTER_VERSIONS = ">=0.20,<1.17"
 #: TRL versions whose loss normalisers the tiled-loss adapter reproduces (checked: 1.16).
 TILED_VERSIONS = ">=1.16,<1.17"
+
+
+def check_on_init(wrapped, instance, args, kwargs):
+    """wrapt wrapper of ``GRPOTrainer.__init__``: validate the built trainer for the loss patches."""
+    result = wrapped(*args, **kwargs)
+    options = api.active_options("trl")
+    if options is not None and options.zero_advantage_filter is not False:
+        zero_advantage_filter.decide(instance)  # raises for True, notes "on"/"off: why" for "auto"
+    if options is not None and options.tiled_loss:  # enable() already refused it outside TILED_VERSIONS
+        tiled.check_supported(instance)
+    return result
 
 
 def loss_targets(version: Version) -> list[PatchTarget]:
@@ -44,4 +58,5 @@ def loss_targets(version: Version) -> list[PatchTarget]:
             option="zero_advantage_filter",
         ),
         PatchTarget(MODULE, "GRPOTrainer.compute_loss", tiled.compute_loss_wrapper, TILED_VERSIONS, option="tiled_loss"),
+        PatchTarget(MODULE, "GRPOTrainer.__init__", check_on_init, FILTER_VERSIONS),
     ]
