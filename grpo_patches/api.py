@@ -45,20 +45,33 @@ def installed_version(adapter: Adapter) -> Version | None:
         return None
 
 
-def _check_supported(adapter: Adapter) -> Version:
+def _support(adapter: Adapter) -> tuple[Version | None, str | None]:
+    """The installed version and why it cannot be patched: ``None`` (it can), ``"missing"``,
+    ``"range"`` (outside ``adapter.supported``) or ``"targets"`` (no patch records for it)."""
     version = installed_version(adapter)
     if version is None:
+        return None, "missing"
+    if not SpecifierSet(adapter.supported).contains(version, prereleases=True):
+        return version, "range"
+    if not adapter.targets(version):
+        return version, "targets"
+    return version, None
+
+
+def _check_supported(adapter: Adapter) -> Version:
+    version, problem = _support(adapter)
+    if problem == "missing":
         raise UnsupportedFrameworkError(
             f"{adapter.name} is not installed (distribution {adapter.distribution!r}); "
             f"install a version in {adapter.supported}, e.g. pip install 'grpo-patches[{adapter.name}]'"
         )
-    if not SpecifierSet(adapter.supported).contains(version, prereleases=True):
+    if problem == "range":
         raise UnsupportedFrameworkError(
             f"{adapter.name} {version} is outside the supported range {adapter.supported} "
             f"(targets: {', '.join(t.name for t in adapter.targets(version)) or 'none'}); "
             f"install a version in {adapter.supported} or call grpo_patches.disable({adapter.name!r})"
         )
-    if not adapter.targets(version):
+    if problem == "targets":
         raise UnsupportedFrameworkError(
             f"{adapter.name} {version}: {adapter.description or 'no patch targets for this version'}"
         )
@@ -80,10 +93,8 @@ def enable(framework: str, **options: Any) -> None:
     if framework == "all":
         for name in registry.names():
             adapter = registry.get(name)
-            version = installed_version(adapter)
-            if version is not None and SpecifierSet(adapter.supported).contains(version, prereleases=True):
-                if adapter.targets(version):
-                    _enable_one(adapter, opts, via_all=True)
+            if _support(adapter)[1] is None:  # a moved target still raises, from _enable_one
+                _enable_one(adapter, opts, via_all=True)
         return
     _enable_one(registry.get(framework), opts, via_all=False)
 
@@ -165,26 +176,23 @@ def status() -> dict[str, dict[str, Any]]:
     report: dict[str, dict[str, Any]] = {}
     for name in registry.names():
         adapter = registry.get(name)
-        version = installed_version(adapter)
+        version, problem = _support(adapter)
+        reasons = {
+            "missing": "not installed",
+            "range": f"{version} outside {adapter.supported}",
+            "targets": adapter.description or "no adapter yet",
+        }
         entry: dict[str, Any] = {
             "installed": str(version) if version else None,
             "supported_range": adapter.supported,
-            "supported": False,
-            "reason": "",
+            "supported": problem is None,
+            "reason": reasons.get(problem, ""),
             "patched": False,
             "pending_import": False,
             "options": None,
             "notes": {},
             "savings": savings.totals(name),
         }
-        if version is None:
-            entry["reason"] = "not installed"
-        elif not SpecifierSet(adapter.supported).contains(version, prereleases=True):
-            entry["reason"] = f"{version} outside {adapter.supported}"
-        elif not adapter.targets(version):
-            entry["reason"] = adapter.description or "no adapter yet"
-        else:
-            entry["supported"] = True
         state = _enabled.get(name)
         if state is not None:
             entry.update(

@@ -30,7 +30,7 @@ from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 
 from . import metrics
-from .loss_rows import MULTIMODAL_KEYS, loss_call
+from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
 
 _STATE_ATTR = "_grpo_patches_filter_on"
 
@@ -77,12 +77,6 @@ def decide(trainer: Any) -> bool:
     return True
 
 
-def _loss_mask(inputs: Any) -> Any:
-    mask = inputs["completion_mask"]
-    tool_mask = inputs.get("tool_mask") if hasattr(inputs, "get") else None
-    return mask if tool_mask is None else mask * tool_mask
-
-
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer._compute_loss(model, inputs)``."""
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
@@ -96,7 +90,7 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
 
     plan = hook().grpo_filter_zero_advantage(
         advantages=inputs["advantages"],
-        mask=_loss_mask(inputs),
+        mask=loss_mask(inputs),
         aggregation=aggregation_for("trl", instance.loss_type),
         group=None,
     )

@@ -16,6 +16,7 @@ from grpo_patches import api
 from grpo_patches.adapters.trl import metrics
 from grpo_patches.adapters.trl.recompute import importance_sampling_on, last_decision, upstream_rule
 from grpo_patches.plugins import hook
+from grpo_patches.recompute import needs_old_logps
 
 
 def observe_logprob_passes(instance: Any, output: dict) -> None:
@@ -23,7 +24,11 @@ def observe_logprob_passes(instance: Any, output: dict) -> None:
     sampling = importance_sampling_on(instance)
     decision = last_decision(instance)
     # stale-or-not as the recompute patch saw it; TRL's global rule when that patch is off
-    stale = decision.consumptions_left > decision.window_steps_left if decision else upstream_rule(instance)
+    stale = (
+        needs_old_logps(decision.consumptions_left, decision.window_steps_left, importance_sampling=False)
+        if decision
+        else upstream_rule(instance)
+    )
     plan = hook().grpo_plan_logprob_passes(
         framework="trl",
         kl_coefficients={"beta": float(instance.beta)},

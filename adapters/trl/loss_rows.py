@@ -63,6 +63,13 @@ class LossCall:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def loss_mask(inputs: Any) -> Any:
+    """The tokens TRL's loss counts: the completion mask, times the tool mask when present."""
+    mask = inputs["completion_mask"]
+    tool_mask = inputs.get("tool_mask") if hasattr(inputs, "get") else None
+    return mask if tool_mask is None else mask * tool_mask
+
+
 def active_call(trainer: Any) -> LossCall | None:
     return trainer.__dict__.get(CALL_ATTR)
 

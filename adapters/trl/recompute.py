@@ -213,7 +213,7 @@ def last_decision(trainer: Any) -> RecomputeDecision | None:
 
 
 def recompute_targets(version: Any) -> list[PatchTarget]:
-    """The window counter (option ``recompute``). The decision itself runs inside the one
-    ``_generate_and_score_completions`` record of :mod:`.generation` (two records cannot
-    wrap the same method)."""
+    """The window counter (option ``recompute``). The decision itself runs inside the
+    ``_generate_and_score_completions`` record of :mod:`.generation`, which shares it with the
+    log-prob pass observer."""
     return [PatchTarget(TRAINER_MODULE, "GRPOTrainer.training_step", track_window, VERSIONS, option="recompute")]

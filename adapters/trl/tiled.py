@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError
 
-from .loss_rows import MULTIMODAL_KEYS, loss_call
+from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
 
 _CHECKED_ATTR = "_grpo_patches_tiled_checked"
 #: Config attributes of logit transforms the tiled loss does not apply (TRL's fused head does).
@@ -59,11 +59,14 @@ def check_supported(trainer: Any) -> None:
 
 def _normalizer(trainer: Any, inputs: Mapping[str, Any], mask: Any) -> float | Any:
     """TRL 1.16's denominator of the whole micro-batch, times its accumulation factor."""
+    from grpo_patches.zero_advantage import aggregation_for
+
     accumulation = trainer.current_gradient_accumulation_steps
-    if trainer.loss_type in ("cispo", "dapo", "vespo"):
+    kind = aggregation_for("trl", trainer.loss_type)  # the one table of TRL's denominators
+    if kind == "fixed-denominator":  # dapo / cispo / vespo: num_items_in_batch
         items = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
         return items * accumulation / trainer.args.steps_per_generation
-    if trainer.loss_type == "bnpo":
+    if kind == "token-mean":  # bnpo: the micro-batch's tokens
         return mask.sum().clamp(min=1.0) * accumulation
     return float(mask.shape[0] * accumulation)  # row aggregations: every row of the micro-batch
 
@@ -149,9 +152,7 @@ def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[[Any, Mapping[str, An
     def tiled_rows(trainer: Any, bound: Mapping[str, Any], rows: Any) -> tuple:
         from grpo_patches.plugins import hook
 
-        mask = inputs["completion_mask"]
-        if inputs.get("tool_mask") is not None:
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         options = _loss_options(trainer, inputs, mask)
         width = int(bound["logits_to_keep"])
         hidden, core = _last_hidden(trainer, bound["model"], bound, rows)
