@@ -1,22 +1,38 @@
-"""Public API: enable / disable / status, with patching deferred until the framework loads."""
+"""Public API: enable / disable / status, each patch record applied when its own module loads.
+
+Records are triggered per module (ddtrace-style post-import hooks): a Ray worker that imports
+only worker modules gets exactly their records, and a driver never imports a module for the
+sake of patching it. Every record of one module is resolved before any is applied.
+
+Lock order: the API lock is never held while anything is imported. Applying a module's
+records reads ``sys.modules`` only, so the post-import hook (which runs inside the import
+machinery, holding that module's import lock) may take the API lock safely.
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from grpo_patches import registry, savings
-from grpo_patches.adapter import Adapter
+from grpo_patches import instance_state, registry, savings
 from grpo_patches.errors import UnsupportedFrameworkError
-from grpo_patches.options import Options
-from grpo_patches.patching import AppliedPatch, apply_all, restore_all
+from grpo_patches.options import OPTIMIZATIONS, Options
+from grpo_patches.patching import AppliedPatch, PatchTarget, apply_targets, restore_all
+from grpo_patches.registry import Adapter
+
+
+@dataclass
+class _Record:
+    target: PatchTarget
+    applied: AppliedPatch | None = None
 
 
 @dataclass
@@ -25,30 +41,25 @@ class _Enabled:
     version: Version
     options: Options
     via_all: bool
-    applied: list[AppliedPatch] = field(default_factory=list)
+    records: list[_Record]
     notes: dict[str, str] = field(default_factory=dict)
+    order: list[AppliedPatch] = field(default_factory=list)  # application order, for exact undo
 
-    @property
-    def pending(self) -> bool:
-        return not self.applied
+    def pending(self, module: str | None = None) -> list[_Record]:
+        return [r for r in self.records if r.applied is None and module in (None, r.target.module)]
 
 
 _lock = threading.RLock()
 _enabled: dict[str, _Enabled] = {}
-_hooked_modules: set[str] = set()
-
-
-def installed_version(adapter: Adapter) -> Version | None:
-    try:
-        return Version(metadata.version(adapter.distribution))
-    except metadata.PackageNotFoundError:
-        return None
+_errors: dict[str, str] = {}  # framework -> why its last deferred application failed
+_hooked: set[str] = set()  # modules with a post-import hook registered and not fired yet
+_registering = threading.local()
 
 
 def _support(adapter: Adapter) -> tuple[Version | None, str | None]:
     """The installed version and why it cannot be patched: ``None`` (it can), ``"missing"``,
     ``"range"`` (outside ``adapter.supported``) or ``"targets"`` (no patch records for it)."""
-    version = installed_version(adapter)
+    version = adapter.installed_version()
     if version is None:
         return None, "missing"
     if not SpecifierSet(adapter.supported).contains(version, prereleases=True):
@@ -66,24 +77,24 @@ def _check_supported(adapter: Adapter) -> Version:
             f"install a version in {adapter.supported}, e.g. pip install 'grpo-patches[{adapter.name}]'"
         )
     if problem == "range":
+        names = ", ".join(dict.fromkeys(t.name for t in adapter.patches)) or "none"
         raise UnsupportedFrameworkError(
             f"{adapter.name} {version} is outside the supported range {adapter.supported} "
-            f"(targets: {', '.join(t.name for t in adapter.targets(version)) or 'none'}); "
-            f"install a version in {adapter.supported} or call grpo_patches.disable({adapter.name!r})"
+            f"(targets: {names}); install a version in {adapter.supported} or call grpo_patches.disable({adapter.name!r})"
         )
     if problem == "targets":
         raise UnsupportedFrameworkError(
             f"{adapter.name} {version}: {adapter.description or 'no patch targets for this version'}"
         )
-    return version
+    return version  # type: ignore[return-value]
 
 
 def enable(framework: str, **options: Any) -> None:
     """Patch ``framework`` ("trl", "verl", "nemo_rl", or "all" installed supported ones).
 
     Idempotent: enabling again with the same options does nothing; with other options the
-    patches are re-applied with the new ones. If the framework is not imported yet, the
-    patches are applied when it is. Options: see :class:`grpo_patches.options.Options`.
+    patches are re-applied with the new ones. Each record is applied when its module is
+    imported (at once for modules already imported). Options: :class:`~grpo_patches.options.Options`.
 
     :raises OptionError: unknown option or value.
     :raises UnknownFrameworkError: unknown framework name.
@@ -101,51 +112,113 @@ def enable(framework: str, **options: Any) -> None:
 
 def _enable_one(adapter: Adapter, opts: Options, via_all: bool) -> None:
     version = _check_supported(adapter)
+    targets, notes = adapter.select(version, opts)
     with _lock:
         current = _enabled.get(adapter.name)
         if current is not None:
             if current.options == opts and current.via_all == via_all:
                 return
             _disable_one(adapter.name)
-        state = _Enabled(adapter, version, opts, via_all)
-        if adapter.trigger_module in sys.modules:
-            state.applied = apply_all(adapter.name, version, adapter.selected_targets(version, opts))
-            _enabled[adapter.name] = state
-            return
+        state = _Enabled(adapter, version, opts, via_all, [_Record(t) for t in targets], dict(notes))
         _enabled[adapter.name] = state
-        if adapter.trigger_module not in _hooked_modules:
-            _hooked_modules.add(adapter.trigger_module)
-            wrapt.register_post_import_hook(_on_import, adapter.trigger_module)
+        _errors.pop(adapter.name, None)
+    _trigger(state)  # outside the lock: it may wait for another thread's import
+
+
+def _loaded(module: str) -> bool:
+    """Imported and fully initialised (not half-way through another thread's import)."""
+    mod = sys.modules.get(module)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
+def _trigger(state: _Enabled) -> None:
+    modules = list(dict.fromkeys(r.target.module for r in state.records))
+    ready = [m for m in modules if _loaded(m)]
+    _apply_modules(state, ready)  # every record of every imported module resolved before any is applied
+    for module in modules:
+        if module in ready:
+            continue
+        if module in sys.modules:  # being imported right now
+            with _lock:
+                hooked = module in _hooked
+            if hooked:
+                continue  # the pending post-import hook applies it when that import finishes
+            importlib.import_module(module)  # another thread's import: wait for it (no lock held)
+            if not _loaded(module):
+                raise UnsupportedFrameworkError(
+                    f"grpo_patches.enable({state.adapter.name!r}) was called while {module} is being imported "
+                    "by this thread; call it before importing the framework or after"
+                )
+            _apply_modules(state, [module])
+            continue
+        _hook(module)
+
+
+def _hook(module: str) -> None:
+    with _lock:
+        if module in _hooked:
+            return
+        _hooked.add(module)
+    _registering.active = True
+    try:
+        wrapt.register_post_import_hook(_on_import, module)  # fires at once if imported meanwhile
+    finally:
+        _registering.active = False
 
 
 def _on_import(module: Any) -> None:
-    """Apply every enable() that was waiting for this module (errors surface at import)."""
+    """Apply every enabled record of this module (errors surface at its import)."""
+    name = module.__name__
     with _lock:
-        _hooked_modules.discard(module.__name__)  # wrapt fires a hook once, then forgets it
-        for state in list(_enabled.values()):
-            if state.adapter.trigger_module == module.__name__ and state.pending:
-                try:
-                    state.applied = apply_all(
-                        state.adapter.name, state.version, state.adapter.selected_targets(state.version, state.options)
-                    )
-                except Exception:
-                    _enabled.pop(state.adapter.name, None)  # not patched: status must not say "pending"
-                    raise
+        _hooked.discard(name)  # wrapt fires a hook once, then forgets it
+    if getattr(_registering, "active", False) and not _loaded(name):
+        importlib.import_module(name)  # registered during another thread's import: wait for it
+    with _lock:
+        states = [s for s in _enabled.values() if s.pending(name)]
+    for state in states:
+        _apply_modules(state, [name])
+
+
+def _apply_modules(state: _Enabled, modules: list[str]) -> None:
+    """Apply the pending records of ``modules`` (imported); on failure undo the framework."""
+    if not modules:
+        return
+    with _lock:
+        if _enabled.get(state.adapter.name) is not state:
+            return  # disabled or re-enabled meanwhile
+        records = [r for r in state.records if r.applied is None and r.target.module in modules]
+        if not records:
+            return
+        adapter = state.adapter
+        try:
+            applied = apply_targets(adapter.name, state.version, adapter.supported, [r.target for r in records])
+        except Exception as exc:
+            _errors[adapter.name] = str(exc)
+            _disable_one(adapter.name)  # not patched: status must say so, not "pending"
+            raise
+        for record, patch in zip(records, applied):
+            record.applied = patch
+        state.order.extend(applied)
 
 
 def disable(framework: str | None = None) -> None:
-    """Undo the patches of ``framework`` (all when ``None``), restoring the originals exactly."""
+    """Undo the patches of ``framework`` (all when ``None``), restoring the originals exactly,
+    and forget every per-instance state the adapter kept."""
     with _lock:
-        for name in list(_enabled) if framework in (None, "all") else [framework]:
-            if framework not in (None, "all"):
-                registry.get(name)  # unknown names are an error, not a silent no-op
+        if framework in (None, "all"):
+            names = list(dict.fromkeys([*_enabled, *instance_state.frameworks()]))
+        else:
+            registry.get(framework)  # unknown names are an error, not a silent no-op
+            names = [framework]
+        for name in names:
             _disable_one(name)
 
 
 def _disable_one(name: str) -> None:
     state = _enabled.pop(name, None)
     if state is not None:
-        restore_all(state.applied)
+        restore_all(state.order)
+    instance_state.clear(name)
 
 
 def active_options(framework: str) -> Options | None:
@@ -157,6 +230,13 @@ def active_options(framework: str) -> Options | None:
 def enabled_via_all(framework: str) -> bool:
     state = _enabled.get(framework)
     return bool(state and state.via_all)
+
+
+def strict(framework: str, option: str) -> bool:
+    """Whether ``option`` was asked for explicitly (``True``, not via ``"all"``): an
+    optimization that cannot run exactly must then raise instead of switching itself off."""
+    state = _enabled.get(framework)
+    return bool(state and getattr(state.options, option) is True and not state.via_all)
 
 
 def note(framework: str, key: str, text: str | None) -> None:
@@ -171,12 +251,30 @@ def note(framework: str, key: str, text: str | None) -> None:
             state.notes[key] = text
 
 
+def _record_states(state: _Enabled) -> list[dict[str, Any]]:
+    chosen = {id(r.target): r for r in state.records}
+    rows = []
+    for target in state.adapter.targets(state.version):
+        record = chosen.get(id(target))
+        if record is not None:
+            where = "applied" if record.applied else "pending import"
+        else:
+            where = f"off ({target.option}={getattr(state.options, target.option)!r})"
+        rows.append({"target": target.name, "option": target.option, "state": where})
+    return rows
+
+
 def status() -> dict[str, dict[str, Any]]:
-    """Per framework: installed version, supported or why not, patched, options, savings."""
+    """Per framework: installed version, supported or why not, what is patched (per record),
+    options, notes and savings, and which process this is (workers report their own)."""
     report: dict[str, dict[str, Any]] = {}
+    process = f"pid {os.getpid()} ({sys.executable})"
     for name in registry.names():
         adapter = registry.get(name)
-        version, problem = _support(adapter)
+        try:
+            version, problem = _support(adapter)
+        except UnsupportedFrameworkError as exc:
+            version, problem = None, str(exc)
         reasons = {
             "missing": "not installed",
             "range": f"{version} outside {adapter.supported}",
@@ -186,21 +284,26 @@ def status() -> dict[str, dict[str, Any]]:
             "installed": str(version) if version else None,
             "supported_range": adapter.supported,
             "supported": problem is None,
-            "reason": reasons.get(problem, ""),
+            "reason": reasons.get(problem, problem or ""),
             "patched": False,
             "pending_import": False,
             "options": None,
             "notes": {},
             "savings": savings.totals(name),
+            "process": process,
         }
+        if name in _errors:
+            entry["error"] = _errors[name]
         state = _enabled.get(name)
         if state is not None:
             entry.update(
-                patched=not state.pending,
-                pending_import=state.pending,
+                patched=bool(state.order),
+                pending_import=bool(state.pending()),
                 options=state.options.as_dict(),
                 notes=dict(state.notes),
-                targets=[p.target.name for p in state.applied],
+                targets=[p.target.name for p in state.order],
+                patches=_record_states(state),
+                not_applicable=[o for o in OPTIMIZATIONS if o not in adapter.optimizations],
             )
         report[name] = entry
     return report

@@ -15,10 +15,16 @@ def format_status(report: dict[str, dict[str, Any]]) -> str:
     details: list[str] = []
     for name, entry in report.items():
         supported = "yes" if entry["supported"] else f"no ({entry['reason']})"
-        patched = "pending import" if entry["pending_import"] else ("yes" if entry["patched"] else "no")
+        patched = {(True, False): "yes", (False, True): "pending import", (True, True): "partly (rest pending import)"}.get(
+            (entry["patched"], entry["pending_import"]), "no")
         options = entry["options"]
         shown = ", ".join(f"{k}={v}" for k, v in options.items()) if options else "-"
         rows.append((name, entry["installed"] or "-", entry["supported_range"], supported, patched, shown))
+        if entry.get("error"):
+            details.append(f"  {name}: error: {entry['error']}")
+        for record in entry.get("patches", []):
+            if record["state"] != "applied":
+                details.append(f"  {name}: {record['target']}: {record['state']}")
         for key, text in entry["notes"].items():
             details.append(f"  {name}: {key}: {text}")
         for key, value in sorted(entry["savings"].items()):

@@ -12,31 +12,24 @@ from grpo_patches.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)
-def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, importance_sampling):
+def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, needed_elsewhere):
     from grpo_patches.recompute import needs_old_logps
 
-    return needs_old_logps(consumptions_left, window_steps_left, importance_sampling)
+    return needs_old_logps(consumptions_left, window_steps_left, needed_elsewhere)
 
 
 @hookimpl(trylast=True)
-def grpo_plan_logprob_passes(
-    framework, kl_coefficients, kl_metrics_requested, optimizer_step_before_consumption, importance_sampling
-):
-    from grpo_patches.logprob_plan import plan_logprob_passes
+def grpo_skip_reference_pass(framework, kl_coefficients, kl_metrics_requested):
+    from grpo_patches.reference_pass import decide_reference_pass
 
-    return plan_logprob_passes(
-        kl_coefficients=kl_coefficients,
-        kl_metrics_requested=kl_metrics_requested,
-        optimizer_step_before_consumption=optimizer_step_before_consumption,
-        importance_sampling=importance_sampling,
-    )
+    return decide_reference_pass(kl_coefficients=kl_coefficients, kl_metrics_requested=kl_metrics_requested)
 
 
 @hookimpl(trylast=True)
-def grpo_filter_zero_advantage(advantages, mask, aggregation, group):
+def grpo_filter_zero_advantage(advantages, mask, denominator, group):
     from grpo_patches.zero_advantage import filter_zero_advantage
 
-    return filter_zero_advantage(advantages, mask, aggregation, group=group)
+    return filter_zero_advantage(advantages, mask, denominator, group=group)
 
 
 @hookimpl(trylast=True)

@@ -25,7 +25,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 if TYPE_CHECKING:  # pragma: no cover - typing only; the core never imports torch eagerly
     import torch
 
-    from grpo_patches.logprob_plan import LogprobPassPlan
+    from grpo_patches.reference_pass import ReferencePassDecision
     from grpo_patches.zero_advantage import ZeroAdvantageFilter
 
 
@@ -34,13 +34,14 @@ def grpo_recompute_old_logps(
     framework: str,
     consumptions_left: int,
     window_steps_left: int,
-    importance_sampling: bool,
+    needed_elsewhere: bool,
 ) -> bool | None:
     """Decide whether a freshly generated rollout needs old-policy log-probs.
 
-    Called once per rollout, at generation time.
+    The one owner of the old-logprob pass: every adapter asks this hook, once per rollout
+    (or rollout batch), at generation time, and applies its answer.
 
-    :param framework: the adapter calling (``"trl"``, ...).
+    :param framework: the adapter calling (``"trl"``, ``"verl"``, ``"nemo_rl"``).
     :param consumptions_left: how many micro-steps, counting the current one, will consume
         this rollout before it is discarded (already capped at the micro-steps left in
         training).
@@ -48,8 +49,9 @@ def grpo_recompute_old_logps(
         left in the current gradient-accumulation window: the optimizer steps right after
         the last of them. Shorter than ``gradient_accumulation_steps`` at an epoch end or
         after a resume that restarted the framework's counters.
-    :param importance_sampling: an importance-sampling correction against the generator
-        (e.g. vLLM) is on; it needs trainer log-probs whatever the schedule.
+    :param needed_elsewhere: something besides the policy ratio consumes the trainer's old
+        log-probs whatever the schedule: an importance-sampling correction against the
+        generator (e.g. vLLM), a log-prob mismatch threshold, a logged metric built on them.
     :return: ``True`` to compute old log-probs, ``False`` when every consumption sees the
         weights that generated the rollout (the framework may then use the detached current
         log-probs as old ones, exactly), ``None`` to defer.
@@ -57,25 +59,23 @@ def grpo_recompute_old_logps(
 
 
 @hookspec(firstresult=True)
-def grpo_plan_logprob_passes(
+def grpo_skip_reference_pass(
     framework: str,
     kl_coefficients: Mapping[str, float],
     kl_metrics_requested: bool,
-    optimizer_step_before_consumption: bool,
-    importance_sampling: bool,
-) -> "LogprobPassPlan | None":
-    """Plan which extra log-prob passes of this step can be skipped, and why.
+) -> "ReferencePassDecision | None":
+    """Decide whether the reference-policy log-prob pass (and model) can be skipped.
+
+    The one owner of the reference pass. Asked when the trainer is set up (whether to build
+    the reference model at all) and per step where the framework decides per step.
 
     :param kl_coefficients: every coefficient that would consume reference log-probs,
         named as the framework names them (``{"beta": 0.0}``,
         ``{"kl_loss_coef": 0.0, "kl_ctrl.kl_coef": 0.0}``).
     :param kl_metrics_requested: the user asked for KL to be logged even though no loss
         term uses it; the reference pass must then run.
-    :param optimizer_step_before_consumption: an optimizer step happens between generation
-        and some consumption of this batch (see :func:`grpo_recompute_old_logps`).
-    :param importance_sampling: an importance-sampling correction is requested.
-    :return: a :class:`~grpo_patches.logprob_plan.LogprobPassPlan` naming the skipped
-        passes with a human-readable reason for each decision, or ``None`` to defer.
+    :return: a :class:`~grpo_patches.reference_pass.ReferencePassDecision` with a
+        human-readable reason, or ``None`` to defer.
     """
 
 
@@ -83,7 +83,7 @@ def grpo_plan_logprob_passes(
 def grpo_filter_zero_advantage(
     advantages: "torch.Tensor",
     mask: "torch.Tensor",
-    aggregation: str,
+    denominator: str,
     group: Any,
 ) -> "ZeroAdvantageFilter | None":
     """Choose the rows of one micro-batch to keep, with per-row loss weights.
@@ -95,7 +95,10 @@ def grpo_filter_zero_advantage(
 
     :param advantages: ``[B]`` (per row) or ``[B, T]`` (per token) advantages.
     :param mask: ``[B, T]`` loss mask (``1`` for response tokens that enter the loss).
-    :param aggregation: one of :data:`grpo_patches.zero_advantage.AGGREGATIONS`.
+    :param denominator: what the framework's loss divides by, one of
+        :data:`grpo_patches.zero_advantage.DENOMINATORS`: ``"tokens"`` (the micro-batch's
+        unmasked tokens), ``"rows"`` (the micro-batch's rows) or ``"fixed"`` (a number that
+        does not depend on which rows are present).
     :param group: the data-parallel process group whose ranks must make identical decisions
         (``None`` for the default group when ``torch.distributed`` is initialised).
     :return: a :class:`~grpo_patches.zero_advantage.ZeroAdvantageFilter`, or ``None``.

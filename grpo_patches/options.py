@@ -11,6 +11,8 @@ from grpo_patches.errors import OptionError
 #: Values of ``zero_advantage_filter``: ``"auto"`` switches the filter off (and says so in
 #: status) when the training config makes zero-advantage rows matter; ``True`` refuses.
 _FILTER_VALUES = ("auto", True, False)
+#: The options that switch an optimization on or off (the others parametrise one).
+OPTIMIZATIONS = ("recompute", "logprob_skip", "zero_advantage_filter", "tiled_loss")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,15 @@
-"""Patch records and how they are resolved, applied (with wrapt) and undone exactly."""
+"""Patch records and how they are resolved, applied (with wrapt) and undone exactly.
+
+A record names one attribute of one module. Records are applied per module, when that module
+is imported (or at once if it already is): every record of the module is resolved before any
+of them is applied, so a module is never half-patched. Resolving never imports anything: it
+reads the module from ``sys.modules``.
+"""
 
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,23 +27,36 @@ Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 class PatchTarget:
     """One declared patch: ``module``'s (dotted) ``attribute`` gets wrapped by ``wrapper``.
 
-    :ivar versions: PEP 440 range of the framework's distribution this record is valid for.
+    :ivar wrapper: the wrapt wrapper, or ``"package.module:function"`` naming it (loaded when
+        the record is applied, so a patch table imports neither torch nor the framework).
+    :ivar versions: PEP 440 range of the framework for which this record exists, narrowing
+        the adapter's supported range (``None``: the whole supported range). Two records for
+        one attribute with disjoint ranges express a method that changed between versions.
     :ivar option: the :class:`~grpo_patches.options.Options` field that switches this patch
-        on (``None``: always applied while the framework is enabled).
+        on (``None``: applied whenever the framework is enabled).
     """
 
     module: str
     attribute: str
-    wrapper: Wrapper
-    versions: str
+    wrapper: Wrapper | str
+    versions: str | None = None
     option: str | None = None
 
     @property
     def name(self) -> str:
         return f"{self.module}:{self.attribute}"
 
-    def supports(self, version: Version) -> bool:
-        return SpecifierSet(self.versions).contains(version, prereleases=True)
+    def applies_to(self, version: Version) -> bool:
+        return self.versions is None or SpecifierSet(self.versions).contains(version, prereleases=True)
+
+    def load_wrapper(self) -> Wrapper:
+        if callable(self.wrapper):
+            return self.wrapper
+        module, _, qualname = self.wrapper.partition(":")
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        return found
 
 
 @dataclass
@@ -58,7 +78,10 @@ class AppliedPatch:
 
 
 def _resolve(target: PatchTarget) -> tuple[Any, str, Any, bool]:
-    module = importlib.import_module(target.module)
+    """``(parent, attribute, original, owned)`` of an imported module's attribute."""
+    module = sys.modules.get(target.module)
+    if module is None:
+        raise ImportError(f"module {target.module!r} is not imported")
     *path, attribute = target.attribute.split(".")
     parent: Any = module
     for part in path:
@@ -67,36 +90,42 @@ def _resolve(target: PatchTarget) -> tuple[Any, str, Any, bool]:
         for klass in parent.__mro__:  # raw class attribute: keeps staticmethod/classmethod
             if attribute in vars(klass):
                 return parent, attribute, vars(klass)[attribute], klass is parent
-        raise AttributeError(attribute)
+        raise AttributeError(f"type object {parent.__name__!r} has no attribute {attribute!r}")
     return parent, attribute, getattr(parent, attribute), True
 
 
-def apply_all(framework: str, version: Version, targets: Sequence[PatchTarget]) -> list[AppliedPatch]:
-    """Resolve every target first, then apply them all; nothing is half-applied.
+def unsupported(framework: str, version: Version, supported: str, problems: Sequence[str]) -> UnsupportedFrameworkError:
+    """The one error for records that cannot be applied: framework, version, targets, range."""
+    return UnsupportedFrameworkError(
+        f"cannot patch {framework} {version} (supported: {supported}): " + "; ".join(problems)
+        + ". Install a supported version or disable the optimization that needs it."
+    )
+
+
+def apply_targets(framework: str, version: Version, supported: str, targets: Sequence[PatchTarget]) -> list[AppliedPatch]:
+    """Resolve every target (and its wrapper) first, then apply them all in order.
+
+    The targets' modules must be imported. Two records on one attribute stack: the later
+    wraps the earlier.
 
     :raises UnsupportedFrameworkError: naming framework, version, target and range for every
-        target that is out of range or cannot be found.
+        target that cannot be found; nothing is applied then.
     """
     problems: list[str] = []
-    resolved = []
+    wrappers = []
     for target in targets:
-        if not target.supports(version):
-            problems.append(f"{target.name} supports {framework} {target.versions}")
-            continue
         try:
-            resolved.append((target, *_resolve(target)))  # everything must exist first
+            _resolve(target)
+            wrappers.append(target.load_wrapper())
         except (ImportError, AttributeError) as exc:
-            problems.append(f"{target.name} not found ({type(exc).__name__}: {exc}); declared for {target.versions}")
+            declared = target.versions or supported
+            problems.append(f"{target.name} not found ({type(exc).__name__}: {exc}); declared for {declared}")
     if problems:
-        raise UnsupportedFrameworkError(
-            f"cannot patch {framework} {version}: " + "; ".join(problems)
-            + ". Install a supported version or disable the optimization that needs it."
-        )
+        raise unsupported(framework, version, supported, problems)
     applied = []
-    for target, *_ in resolved:
-        # resolve again: a later record on the same attribute wraps the earlier one
-        parent, attribute, original, owned = _resolve(target)
-        proxy = wrapt.FunctionWrapper(original, target.wrapper)
+    for target, wrapper in zip(targets, wrappers):
+        parent, attribute, original, owned = _resolve(target)  # again: stacked records see the earlier proxy
+        proxy = wrapt.FunctionWrapper(original, wrapper)
         setattr(parent, attribute, proxy)
         applied.append(AppliedPatch(target, parent, attribute, original, owned, proxy))
     return applied

@@ -5,13 +5,13 @@ Old log-probs equal the detached current log-probs at every consumption exactly 
 optimizer step happens between the generation and the rollout's last consumption. The
 optimizer steps right after the last micro-step of the current gradient-accumulation
 window, so the rollout goes stale exactly when it has more consumptions left than the
-window has micro-steps left. Framework-free: adapters count both numbers (see
-:mod:`grpo_patches.schedule` for how TRL and the HF Trainer lay out micro-steps).
+window has micro-steps left. Framework-free: adapters count both numbers (the TRL adapter's
+``schedule`` module models how TRL and the HF Trainer lay out micro-steps).
 """
 
 from __future__ import annotations
 
-__all__ = ["needs_old_logps", "window_steps_left", "cap_consumptions"]
+__all__ = ["needs_old_logps", "explain", "window_steps_left", "cap_consumptions"]
 
 
 def _require_count(name: str, value: object, minimum: int = 1, hint: str = "") -> int:
@@ -23,24 +23,42 @@ def _require_count(name: str, value: object, minimum: int = 1, hint: str = "") -
     return value
 
 
-def needs_old_logps(consumptions_left: int, window_steps_left: int, importance_sampling: bool) -> bool:
+def needs_old_logps(consumptions_left: int, window_steps_left: int, needed_elsewhere: bool) -> bool:
     """Return ``True`` when the rollout needs old log-probs computed at generation time.
 
     :param consumptions_left: micro-steps, counting the current one, that will consume the
         rollout (capped at the micro-steps left in training, see :func:`cap_consumptions`).
     :param window_steps_left: micro-steps, counting the current one, left in the current
         gradient-accumulation window (see :func:`window_steps_left`).
-    :param importance_sampling: a correction against the generator's own log-probs is on;
-        it needs trainer log-probs whatever the schedule.
+    :param needed_elsewhere: something besides the policy ratio (an importance-sampling
+        correction against the generator, a log-prob mismatch threshold) consumes the
+        trainer's old log-probs whatever the schedule.
     :raises ValueError: a count that is not an int >= 1, or a non-bool flag.
     """
     hint = " Count micro-steps including the current one."
     _require_count("consumptions_left", consumptions_left, hint=hint)
     _require_count("window_steps_left", window_steps_left, hint=hint)
-    if not isinstance(importance_sampling, bool):
-        raise ValueError(f"importance_sampling must be a bool, got {importance_sampling!r}.")
+    if not isinstance(needed_elsewhere, bool):
+        raise ValueError(f"needed_elsewhere must be a bool, got {needed_elsewhere!r}.")
     # The optimizer steps after the window's last micro-step: stale iff a consumption follows it.
-    return importance_sampling or consumptions_left > window_steps_left
+    return needed_elsewhere or consumptions_left > window_steps_left
+
+
+def explain(compute: bool, consumptions_left: int, window_steps_left: int, needed_elsewhere: bool) -> str:
+    """Why a rollout's old log-probs were computed or not, for ``status()`` notes.
+
+    ``compute`` is the decision taken (the hook's answer); when it differs from
+    :func:`needs_old_logps`, the reason says a plugin decided.
+    """
+    default = needs_old_logps(consumptions_left, window_steps_left, needed_elsewhere)
+    facts = f"consumptions_left={consumptions_left}, window_steps_left={window_steps_left}"
+    if compute != default:
+        return f"{'computed' if compute else 'skipped'}: a grpo_recompute_old_logps plugin decided ({facts})"
+    if not compute:
+        return f"skipped: on-policy, every consumption is in the generating window ({facts})"
+    if needed_elsewhere:
+        return f"computed: needed besides the ratio (importance sampling or a log-prob threshold; {facts})"
+    return f"computed: an optimizer step happens before the last consumption ({facts})"
 
 
 def window_steps_left(micro_index_in_window: int, window_length: int) -> int:

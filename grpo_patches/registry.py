@@ -1,12 +1,23 @@
-"""Known adapters, looked up by framework name without importing any framework."""
+"""Adapters as data, and the registry that finds them by framework name.
+
+An adapter module (``grpo_patches.adapters.<name>``, or a third party's module declared under
+the ``grpo_patches.adapters`` entry-point group) exposes ``ADAPTER``: the framework's name,
+its supported range (written once), how to read the installed version, and its patch table.
+Looking an adapter up imports the adapter module only, never the framework.
+"""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from importlib import metadata
+from typing import Callable, Sequence
 
-from grpo_patches.adapter import Adapter
-from grpo_patches.errors import UnknownFrameworkError
+from packaging.version import InvalidVersion, Version
+
+from grpo_patches.errors import UnknownFrameworkError, UnsupportedFrameworkError
+from grpo_patches.options import OPTIMIZATIONS, Options
+from grpo_patches.patching import PatchTarget
 
 #: Built-in adapters: framework name -> module exposing ``ADAPTER``.
 BUILTIN: dict[str, str] = {
@@ -18,35 +29,98 @@ BUILTIN: dict[str, str] = {
 #: Entry-point group through which other distributions declare adapters (``name = module:ADAPTER``).
 ADAPTER_GROUP = "grpo_patches.adapters"
 
-_extra: dict[str, Adapter] = {}
+
+@dataclass(frozen=True)
+class Adapter:
+    """A framework's adapter: one patch table for every supported version.
+
+    :ivar name: the name users pass to :func:`grpo_patches.enable` (``"trl"``).
+    :ivar distribution: the distribution whose installed version is read (``"trl"``).
+    :ivar supported: PEP 440 range the adapter supports (``">=0.20,<1.17"``), written once.
+    :ivar patches: the patch table: every record, each narrowing ``supported`` with its own
+        ``versions`` where the framework's internals differ between versions.
+    :ivar optimizations: the :class:`Options` fields this adapter implements; ``status()``
+        reports the others as not applicable to this framework.
+    :ivar read_version: how to read the installed version when the distribution's metadata
+        does not hold it (a framework run from a source checkout); returns ``None`` when the
+        framework is not installed. Default: ``importlib.metadata.version(distribution)``.
+    :ivar description: why the adapter has no records (shown when it cannot be enabled).
+    """
+
+    name: str
+    distribution: str
+    supported: str
+    patches: Sequence[PatchTarget]
+    optimizations: tuple[str, ...] = OPTIMIZATIONS
+    read_version: Callable[[], str | None] | None = None
+    description: str = ""
+
+    def installed_version(self) -> Version | None:
+        """The installed framework's version, ``None`` when it is not installed."""
+        if self.read_version is not None:
+            text = self.read_version()
+        else:
+            try:
+                text = metadata.version(self.distribution)
+            except metadata.PackageNotFoundError:
+                text = None
+        if text is None:
+            return None
+        try:
+            return Version(text)
+        except InvalidVersion:
+            raise UnsupportedFrameworkError(f"{self.name}: cannot read the installed version {text!r}") from None
+
+    def targets(self, version: Version) -> list[PatchTarget]:
+        """Every record that exists for ``version`` (whatever the options)."""
+        return [t for t in self.patches if t.applies_to(version)]
+
+    def select(self, version: Version, options: Options) -> tuple[list[PatchTarget], dict[str, str]]:
+        """The records to apply for ``options``, and notes on options that cannot run here.
+
+        An option that is on but has records only for other versions (e.g. a loss path
+        checked on one release) is an error when set to ``True``, and a note (the
+        optimization stays off) when it is on by default or ``"auto"``.
+
+        :raises UnsupportedFrameworkError: naming the option, version and ranges.
+        """
+        here = self.targets(version)
+        notes: dict[str, str] = {}
+        for option in dict.fromkeys(t.option for t in self.patches if t.option):
+            value = getattr(options, option)
+            if value in (False, None) or any(t.option == option for t in here):
+                continue
+            ranges = " or ".join(sorted({t.versions or self.supported for t in self.patches if t.option == option}))
+            text = f"{option} needs {self.name} {ranges}; {version} is installed"
+            if value is True and option not in _ON_BY_DEFAULT:
+                raise UnsupportedFrameworkError(
+                    f"{self.name} {version}: {text}. Install such a version or pass {option}=False "
+                    "to grpo_patches.enable(...)"
+                )
+            notes[option] = f"off: {text}"
+        chosen = [t for t in here if t.option is None or getattr(options, t.option) not in (False, None)]
+        return chosen, notes
+
+
+#: Options that are ``True`` by default: an unsupported version turns them off with a note.
+_ON_BY_DEFAULT = tuple(name for name, value in Options().as_dict().items() if value is True)
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
     return {ep.name: ep for ep in metadata.entry_points(group=ADAPTER_GROUP)}
 
 
-def register_adapter(adapter: Adapter) -> None:
-    """Make a third-party (or test) adapter available to ``enable(adapter.name)``."""
-    _extra[adapter.name] = adapter
-
-
-def unregister_adapter(name: str) -> None:
-    _extra.pop(name, None)
-
-
 def names() -> list[str]:
     """Every framework name ``enable`` accepts (besides ``"all"``)."""
-    found = [*BUILTIN, *_extra, *_entry_points()]
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys([*BUILTIN, *_entry_points()]))
 
 
 def get(name: str) -> Adapter:
-    if name in _extra:
-        return _extra[name]
-    if name not in BUILTIN:
-        eps = _entry_points()
-        if name in eps:
-            return eps[name].load()
-        valid = ", ".join([*names(), "all"])
-        raise UnknownFrameworkError(f"unknown framework {name!r}; valid names are: {valid}")
-    return importlib.import_module(BUILTIN[name]).ADAPTER
+    """The adapter for ``name``; :class:`UnknownFrameworkError` listing the valid names."""
+    if name in BUILTIN:
+        return importlib.import_module(BUILTIN[name]).ADAPTER
+    eps = _entry_points()
+    if name in eps:
+        return eps[name].load()
+    valid = ", ".join([*names(), "all"])
+    raise UnknownFrameworkError(f"unknown framework {name!r}; valid names are: {valid}")

@@ -14,6 +14,14 @@ FRAMEWORK = '''
 """fakefw: a framework with the shapes our patches meet (methods, static/class, inherited)."""
 '''
 
+WORKER = '''
+"""A module only worker processes import (it never imports fakefw.trainer)."""
+
+
+def work(x):
+    return x * 10
+'''
+
 TRAINER = '''
 def helper(x):
     return x * 2
@@ -42,7 +50,7 @@ class SubTrainer(Trainer):
 ADAPTER = '''
 """Adapter for fakefw: every wrapper tags results so tests can see the patch."""
 
-from grpo_patches.adapter import Adapter
+from grpo_patches.registry import Adapter
 from grpo_patches.patching import PatchTarget
 from grpo_patches import api
 
@@ -53,30 +61,19 @@ def _tag(wrapped, instance, args, kwargs):
     return ("patched", result, options.tile_size if options else None)
 
 
-def targets(version):
-    mod = "fakefw.trainer"
-    rng = ">=1.0,<2"
-    records = [
-        PatchTarget(mod, "Trainer.step", _tag, rng),
-        PatchTarget(mod, "Trainer.static", _tag, rng),
-        PatchTarget(mod, "Trainer.klass", _tag, rng),
-        PatchTarget(mod, "SubTrainer.inherited", _tag, rng),
-        PatchTarget(mod, "helper", _tag, rng, option="tiled_loss"),
-    ]
-    if MISSING_ATTRIBUTE:  # a target that moved upstream
-        records.append(PatchTarget(mod, MISSING_ATTRIBUTE, _tag, rng))
-    return records
-
-
 MISSING_ATTRIBUTE = {missing!r}
+T, W = "fakefw.trainer", "fakefw.worker"
 
-ADAPTER = Adapter(
-    name="fakefw",
-    distribution="fakefw",
-    supported=">=1.0,<2",
-    trigger_module="fakefw.trainer",
-    targets=targets,
-)
+PATCHES = (
+    PatchTarget(T, "Trainer.step", _tag),
+    PatchTarget(T, "Trainer.static", _tag),
+    PatchTarget(T, "Trainer.klass", _tag),
+    PatchTarget(T, "SubTrainer.inherited", _tag),
+    PatchTarget(T, "helper", _tag, option="tiled_loss"),
+    PatchTarget(W, "work", "fakefw_adapter:_tag"),
+) + ((PatchTarget(T, MISSING_ATTRIBUTE, _tag),) if MISSING_ATTRIBUTE else ())  # a target that moved upstream
+
+ADAPTER = Adapter(name="fakefw", distribution="fakefw", supported=">=1.0,<2", patches=PATCHES)
 '''
 
 PLUGIN = '''
@@ -86,7 +83,7 @@ from grpo_patches import hookimpl
 
 
 @hookimpl
-def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, importance_sampling):
+def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, needed_elsewhere):
     return "from-entry-point-plugin"
 '''
 
@@ -98,6 +95,7 @@ def make_site(root: Path, version: str = "1.2.0", plugin: bool = False, missing:
     pkg.mkdir(exist_ok=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FRAMEWORK))
     (pkg / "trainer.py").write_text(textwrap.dedent(TRAINER))
+    (pkg / "worker.py").write_text(textwrap.dedent(WORKER))
     (root / "fakefw_adapter.py").write_text(ADAPTER.replace("{missing!r}", repr(missing)))
     dist = root / f"fakefw-{version}.dist-info"
     dist.mkdir(exist_ok=True)

@@ -23,13 +23,13 @@ def test_every_spec_is_prefixed_documented_and_has_a_default():
 
 class AlwaysRecompute:
     @grpo_patches.hookimpl
-    def grpo_recompute_old_logps(self, framework, consumptions_left, window_steps_left, importance_sampling):
+    def grpo_recompute_old_logps(self, framework, consumptions_left, window_steps_left, needed_elsewhere):
         return True
 
 
 class Defer:
     @grpo_patches.hookimpl
-    def grpo_recompute_old_logps(self, framework, consumptions_left, window_steps_left, importance_sampling):
+    def grpo_recompute_old_logps(self, framework, consumptions_left, window_steps_left, needed_elsewhere):
         return None
 
 
@@ -48,7 +48,7 @@ def register():
 
 
 def test_a_user_plugin_overrides_the_default_decision(register):
-    ask = dict(framework="trl", consumptions_left=2, window_steps_left=3, importance_sampling=False)
+    ask = dict(framework="trl", consumptions_left=2, window_steps_left=3, needed_elsewhere=False)
     assert hook().grpo_recompute_old_logps(**ask) is False  # default: both consumptions in the window
     register(Defer())
     assert hook().grpo_recompute_old_logps(**ask) is False  # None defers to the default
@@ -76,7 +76,7 @@ def test_savings_observers_all_see_reports_and_totals_accumulate(register):
 ASK = (
     "import json; from grpo_patches.plugins import hook; "
     "print(json.dumps(hook().grpo_recompute_old_logps(framework='x', consumptions_left=1, "
-    "window_steps_left=1, importance_sampling=False)))"
+    "window_steps_left=1, needed_elsewhere=False)))"
 )
 
 

@@ -176,13 +176,16 @@ def test_bad_names_and_options_list_the_valid_ones():
 
 
 def test_declared_but_unimplemented_framework_is_refused(monkeypatch):
+    from packaging.version import Version
+
     from grpo_patches import registry
 
-    adapter = registry.get("verl")
-    monkeypatch.setattr(api, "installed_version", lambda a: __import__("packaging.version").version.Version("0.7.1"))
-    with pytest.raises(UnsupportedFrameworkError, match="verl 0.7.1: adapter not implemented yet"):
-        grpo_patches.enable("verl")
-    assert adapter.targets is not None
+    adapter = registry.get("nemo_rl")
+    monkeypatch.setattr(registry.Adapter, "installed_version", lambda self: Version("0.7.1"))
+    with pytest.raises(UnsupportedFrameworkError, match="nemo_rl 0.7.1: adapter not implemented yet"):
+        grpo_patches.enable("nemo_rl")
+    assert adapter.targets(Version("0.7.1")) == []
+    assert grpo_patches.status()["nemo_rl"]["reason"].startswith("adapter not implemented yet")
 
 
 def test_enable_all_only_touches_installed_supported_frameworks(fakefw):
@@ -217,7 +220,7 @@ def test_two_records_on_one_attribute_stack_and_unwind_exactly():
 
     from packaging.version import Version
 
-    from grpo_patches.patching import PatchTarget, apply_all, restore_all
+    from grpo_patches.patching import PatchTarget, apply_targets, restore_all
 
     module = types.ModuleType("stacked_mod")
     module.Thing = type("Thing", (), {"f": lambda self: "f"})
@@ -226,7 +229,7 @@ def test_two_records_on_one_attribute_stack_and_unwind_exactly():
     try:
         outer = PatchTarget("stacked_mod", "Thing.f", lambda w, i, a, k: "outer(" + w(*a, **k) + ")", ">=1")
         inner = PatchTarget("stacked_mod", "Thing.f", lambda w, i, a, k: "inner(" + w(*a, **k) + ")", ">=1")
-        applied = apply_all("stacked", Version("1.0"), [inner, outer])
+        applied = apply_targets("stacked", Version("1.0"), ">=1", [inner, outer])
         assert module.Thing().f() == "outer(inner(f))"
         restore_all(applied)
         assert module.Thing.__dict__["f"] is original

@@ -1,6 +1,6 @@
 """The recompute decision against a brute-force oracle, and where the upstream rules go wrong.
 
-The oracle (:mod:`grpo_patches.schedule`) tracks the weight version of every micro-step of a
+The oracle (:mod:`grpo_patches.adapters.trl.schedule`) tracks the weight version of every micro-step of a
 simulated TRL ``GRPOTrainer`` run; a rollout needs old log-probs iff some consumption sees
 another version than its generation. Our rule must agree with it on every rollout.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from grpo_patches.plugins import hook
 from grpo_patches.recompute import cap_consumptions, needs_old_logps, window_steps_left
-from grpo_patches.schedule import (
+from grpo_patches.adapters.trl.schedule import (
     Schedule,
     hf_micro_steps_left,
     issue_5770_rule,
@@ -53,7 +53,7 @@ def _schedules(ga: int, trl_only: bool):
 
 
 def _ours(rollout) -> bool:
-    return needs_old_logps(rollout.consumptions_left, rollout.window_steps_left, importance_sampling=False)
+    return needs_old_logps(rollout.consumptions_left, rollout.window_steps_left, needed_elsewhere=False)
 
 
 def _check_hf_loop_invariants(s: Schedule) -> None:
@@ -197,21 +197,21 @@ def test_trl_modulo_rule_misses_when_an_epoch_is_not_a_multiple_of_the_generatio
     [(1, 1, False), (2, 1, True), (1, 8, False), (4, 4, False), (5, 4, True), (12, 1, True)],
 )
 def test_needs_old_logps_edges(consumptions, window, expected):
-    assert needs_old_logps(consumptions, window, importance_sampling=False) is expected
-    assert needs_old_logps(consumptions, window, importance_sampling=True) is True
+    assert needs_old_logps(consumptions, window, needed_elsewhere=False) is expected
+    assert needs_old_logps(consumptions, window, needed_elsewhere=True) is True
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", None, True])
 @pytest.mark.parametrize("name", ["consumptions_left", "window_steps_left"])
 def test_needs_old_logps_rejects_bad_counts(name, bad):
-    kwargs = {"consumptions_left": 2, "window_steps_left": 2, "importance_sampling": False, name: bad}
+    kwargs = {"consumptions_left": 2, "window_steps_left": 2, "needed_elsewhere": False, name: bad}
     with pytest.raises(ValueError, match=name):
         needs_old_logps(**kwargs)
 
 
 @pytest.mark.parametrize("bad", [0, 1, None, "False"])
 def test_needs_old_logps_rejects_non_bool_flag(bad):
-    with pytest.raises(ValueError, match="importance_sampling"):
+    with pytest.raises(ValueError, match="needed_elsewhere"):
         needs_old_logps(2, 2, bad)
 
 
@@ -254,11 +254,11 @@ def test_max_steps_caps_the_last_rollout():
 def test_through_the_plugin_manager():
     relay = hook()
     assert relay.grpo_recompute_old_logps(
-        framework="x", consumptions_left=3, window_steps_left=2, importance_sampling=False
+        framework="x", consumptions_left=3, window_steps_left=2, needed_elsewhere=False
     ) is True
     assert relay.grpo_recompute_old_logps(
-        framework="x", consumptions_left=2, window_steps_left=2, importance_sampling=False
+        framework="x", consumptions_left=2, window_steps_left=2, needed_elsewhere=False
     ) is False
     assert relay.grpo_recompute_old_logps(
-        framework="x", consumptions_left=1, window_steps_left=1, importance_sampling=True
+        framework="x", consumptions_left=1, window_steps_left=1, needed_elsewhere=True
     ) is True

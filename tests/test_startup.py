@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import grpo_patches
 from tests.fakefw_site import make_site
 from tests.test_patching import run_script
 
@@ -25,11 +26,11 @@ def fake_site(tmp_path_factory):
 
 
 def test_pth_is_installed_next_to_the_package():
-    import grpo_patches
-
     pth = [Path(d) / "grpo_patches_startup.pth" for d in site.getsitepackages()]
-    assert any(p.exists() for p in pth), f"no start-up .pth in {site.getsitepackages()}"
-    assert grpo_patches.__file__  # the .pth imports the same installed package
+    installed = [p for p in pth if p.exists()]
+    assert installed, f"no start-up .pth in {site.getsitepackages()}"
+    shipped = Path(__file__).resolve().parents[1] / "_build" / "grpo_patches_startup.pth"
+    assert installed[0].read_bytes() == shipped.read_bytes()
 
 
 def test_unset_variable_imports_nothing(fake_site):
@@ -84,7 +85,10 @@ def test_run_parses_lists_and_off_values(fake_site, monkeypatch):
 
     assert _startup.run({"GRPO_PATCHES": "off"}) == []
     assert _startup.run({}) == []
-    assert sys.executable  # run() with a real framework is covered by the subprocess tests
+    monkeypatch.syspath_prepend(str(fake_site))
+    assert _startup.run({"GRPO_PATCHES": " fakefw , ", "GRPO_PATCHES_OPTIONS": "tile_size=3"}) == ["fakefw"]
+    assert grpo_patches.status()["fakefw"]["options"]["tile_size"] == 3
+    grpo_patches.disable()
 
 
 def test_importing_the_core_imports_no_framework_and_no_torch(fake_site):

@@ -1,8 +1,9 @@
 """The tiled loss reproduces TRL 1.16's own ``GRPOTrainer._compute_loss`` for every loss type.
 
 TRL's method runs unchanged on a stand-in trainer whose policy forward returns dense
-log-probs of ``hidden @ weight.T / temperature``; the tiled loss gets the options a TRL
-adapter would pass. Compared: loss, gradients of hidden and weight, and the logged metrics.
+log-probs of ``hidden @ weight.T / temperature``; the tiled loss gets the options the TRL
+adapter computes for that trainer (:func:`grpo_patches.adapters.trl.tiled.loss_options`).
+Compared: loss, gradients of hidden and weight, and the logged metrics.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from collections import defaultdict
 import pytest
 import torch
 
+from grpo_patches.adapters.trl.tiled import loss_options
 from grpo_patches.tiled_loss import tiled_grpo_loss
 from tests.tiled_loss_helpers import make_case, max_rel
+
 
 def _supported_trl() -> bool:
     import trl
@@ -55,25 +58,9 @@ def _fake_trainer(loss_type, hidden, weight, *, beta, level, delta, entropy_coef
             num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity, sync_gradients=False
         ),
         _metrics={"train": defaultdict(list)}, _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef,
-        use_adaptive_entropy=False, aux_loss_enabled=False, max_completion_length=MAX_LEN,
+        use_adaptive_entropy=False, aux_loss_enabled=False, max_completion_length=MAX_LEN, temperature=TEMPERATURE,
         get_gamma_weights=GRPOTrainer.get_gamma_weights, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
     )
-
-
-def _adapter_options(loss_type, mask, *, beta, level, delta, entropy_coef):
-    """What a TRL adapter passes for these settings (and the factor it divides the loss by)."""
-    options = dict(loss_type=loss_type, beta=beta, kl_ratio_correction=True, importance_sampling_level=level,
-                   epsilon_low=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28, delta=delta,
-                   temperature=TEMPERATURE, max_completion_length=MAX_LEN, entropy_coef=entropy_coef,
-                   return_entropy=True, tile_size=4)
-    divide_by = GA
-    if loss_type in ("dapo", "cispo", "vespo"):
-        options["normalizer"] = NUM_ITEMS * GA / SPG  # TRL's num_items_in_batch rescaled to one window
-        divide_by = 1
-    if entropy_coef:  # TRL: token mean of the entropy / GA, whatever the policy normaliser
-        options["entropy_aggregation"] = "token-mean"
-        options["entropy_normalizer"] = float(mask.sum().clamp(min=1.0)) * GA / divide_by
-    return options, divide_by
 
 
 SETTINGS = {
@@ -110,12 +97,10 @@ def test_matches_trl_compute_loss(loss_type, setting):
     trl_loss.backward()
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    options, divide_by = _adapter_options(loss_type, mask, **s)
+    options = loss_options(trainer, inputs, torch.arange(B))
     h2 = case["hidden"].clone().requires_grad_()
     w2 = case["weight"].clone().requires_grad_()
-    loss, metrics = tiled_grpo_loss(h2, w2, case["labels"], case["advantages"], mask, old_logps=case["old_logps"],
-                                    ref_logps=case["ref_logps"], is_weights=is_ratio, **options)
-    loss = loss / divide_by
+    loss, metrics = tiled_grpo_loss(h2, w2, case["labels"], case["advantages"], mask, tile_size=4, **options)
     loss.backward()
 
     assert max_rel(loss.detach(), trl_loss.detach()) <= 1e-5

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("trl")
 
+from packaging.version import Version  # noqa: E402
+
 import grpo_patches  # noqa: E402
 from grpo_patches import registry  # noqa: E402
 
@@ -33,6 +35,7 @@ print("RESULT " + json.dumps({
     "wrapped": type(vars(g.GRPOTrainer)["_generate_and_score_completions"]).__name__,
     "savings": result.savings,
     "patched": grpo_patches.status()["trl"]["patched"],
+    "options": grpo_patches.status()["trl"]["options"],
 }))
 """
 
@@ -47,17 +50,20 @@ def run_python(code: str, **env: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def test_targets_are_declared_for_the_supported_range():
-    from packaging.version import Version
+def test_the_patch_table_narrows_the_supported_range_and_never_collides():
+    from packaging.specifiers import SpecifierSet
 
     adapter = registry.get("trl")
-    names = [t.name for t in adapter.targets(Version("1.16.0"))]
-    assert "trl.trainer.grpo_trainer:GRPOTrainer.training_step" in names
-    assert "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions" in names
-    assert len(names) == len(set(names)), "two records on one attribute would overwrite each other"
-    ours = [t for t in adapter.targets(Version("1.16.0")) if t.name.split(".")[-1] in
-            ("training_step", "_generate_and_score_completions")]
-    assert len(ours) == 2 and all(t.versions == ">=0.20,<1.17" for t in ours)
+    supported = SpecifierSet(adapter.supported)
+    for version in ("0.20.0", "0.24.0", "1.6.0", "1.7.0", "1.16.0"):
+        assert Version(version) in supported
+        names = [t.name for t in adapter.targets(Version(version))]
+        assert "trl.trainer.grpo_trainer:GRPOTrainer.training_step" in names
+        assert "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions" in names
+        assert len(names) == len(set(names)), "two records on one attribute for one version"
+    for record in adapter.patches:  # a record's own range only narrows the adapter's
+        assert record.versions is None or record.versions.startswith((">=", "<"))
+        assert callable(record.load_wrapper())  # every wrapper named in the table exists
 
 
 def test_disable_restores_the_original_methods():
@@ -79,17 +85,11 @@ def test_disable_restores_the_original_methods():
 
 
 @pytest.mark.slow
-def test_enable_before_import_patches_at_import():
-    out = run_python("import grpo_patches; grpo_patches.enable('trl')\n" + SCRIPT)
+def test_env_variable_patches_a_fresh_interpreter_at_import():
+    """One interpreter proves both: the start-up .pth enables TRL before it is imported (the
+    record is pending), the patch lands at import, and the options variable arrives."""
+    out = run_python(SCRIPT, GRPO_PATCHES="trl", GRPO_PATCHES_OPTIONS="zero_advantage_filter=0")
     assert out["trl_imported_before"] is False and out["pending_before"] is True
     assert out["wrapped"] == "FunctionWrapper" and out["patched"] is True
     assert out["savings"]["old_logprob_passes_skipped"] == 2
-
-
-@pytest.mark.slow
-def test_env_variable_patches_a_fresh_interpreter():
-    out = run_python(SCRIPT, GRPO_PATCHES="trl")
-    assert out["wrapped"] == "FunctionWrapper" and out["patched"] is True
-    assert out["savings"]["old_logprob_passes_skipped"] == 2
-    off = run_python(SCRIPT, GRPO_PATCHES="trl", GRPO_PATCHES_OPTIONS="recompute=0")
-    assert "old_logprob_passes_skipped" not in off["savings"]
+    assert out["options"]["zero_advantage_filter"] is False

@@ -16,14 +16,6 @@ def fake_trainer(training=True):
                            _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
 
 
-def test_log_metric_appends_values_that_trl_averages():
-    t = fake_trainer()
-    metrics.log_metric(t, "rows_kept_fraction", 0.5)
-    metrics.log_metric(t, "rows_kept_fraction", 1.0)
-    assert t._metrics["train"]["grpo_patches/rows_kept_fraction"] == [0.5, 1.0]
-    metrics.log_metric(fake_trainer(training=False), "x", 1.0)  # eval bucket, no error
-
-
 def test_add_count_logs_the_running_total_and_survives_trl_clearing():
     t = fake_trainer()
     assert metrics.add_count(t, "rows_dropped", 3) == 3
@@ -48,7 +40,6 @@ def test_report_feeds_status_totals_and_trl_metrics():
 
 def test_trainer_without_metrics_dict_is_tolerated():
     t = SimpleNamespace(model=SimpleNamespace(training=True))
-    metrics.log_metric(t, "x", 1.0)
     assert metrics.add_count(t, "x") == 1
 
 

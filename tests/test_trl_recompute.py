@@ -7,7 +7,7 @@ CPU fp32 both give identical bits here (asserted), so any staleness or mis-sched
 up as a weight difference (the "always stale" control below differs by > 1e-3).
 
 The hook inputs the adapter computes are checked rollout by rollout against the schedule
-simulator (:mod:`grpo_patches.schedule`), which models TRL 1.16 / transformers 5.23.
+simulator (:mod:`grpo_patches.adapters.trl.schedule`), which models TRL 1.16 / transformers 5.23.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import pytest
 
 pytest.importorskip("trl")
 
-import grpo_patches  # noqa: E402
 from grpo_patches.hookspecs import hookimpl  # noqa: E402
-from grpo_patches.schedule import simulate, trl_steps_per_epoch  # noqa: E402
+from grpo_patches.adapters.trl.schedule import simulate, trl_steps_per_epoch  # noqa: E402
 from tests.trl_harness import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,8 +47,8 @@ class Recorder:
         self.answer, self.rule, self.trainer = answer, rule, None
 
     @hookimpl(tryfirst=True)
-    def grpo_recompute_old_logps(self, framework, consumptions_left, window_steps_left, importance_sampling):
-        self.calls.append((consumptions_left, window_steps_left, importance_sampling))
+    def grpo_recompute_old_logps(self, framework, consumptions_left, window_steps_left, needed_elsewhere):
+        self.calls.append((consumptions_left, window_steps_left, needed_elsewhere))
         if self.rule is not None:
             return self.rule(self.trainer)
         return self.answer

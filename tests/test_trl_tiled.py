@@ -20,18 +20,17 @@ pytest.importorskip("trl")
 from packaging.version import Version  # noqa: E402
 
 from grpo_patches import tiny_model  # noqa: E402
-from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
+from grpo_patches.errors import IncompatibleOptionsError, UnsupportedFrameworkError  # noqa: E402
 from tests.test_trl_filter import assert_same_metrics  # noqa: E402
 from tests.test_trl_filter import run as upstream_or_filter_run  # noqa: E402
 from tests.trl_harness import require_loss_type, train  # noqa: E402
 
 def _tiled_supported() -> bool:
     import trl
-    from packaging.specifiers import SpecifierSet
 
-    from grpo_patches.adapters.trl.loss import TILED_VERSIONS
+    from grpo_patches.adapters.trl import ADAPTER
 
-    return SpecifierSet(TILED_VERSIONS).contains(Version(trl.__version__))
+    return any(t.option == "tiled_loss" for t in ADAPTER.targets(Version(trl.__version__)))
 
 
 #: Training tests need a TRL whose loss normalisers the tiled adapter reproduces.
@@ -84,13 +83,14 @@ def test_tiled_loss_refuses_entropy_mask():
     assert built == []
 
 
-def test_loss_targets_branch_on_version():
-    from grpo_patches.adapters.trl.loss import loss_targets
+def test_loss_records_branch_on_version():
+    from grpo_patches.adapters.trl import ADAPTER
+    from grpo_patches.options import Options
 
-    for version, arity_range in (("1.16.0", ">=1.7.0.dev0,<1.17"), ("0.20.0", ">=0.20,<1.7.0.dev0")):
-        records = {t.attribute: t for t in loss_targets(Version(version))}
-        routing = records["GRPOTrainer._get_per_token_logps_and_entropies"]
-        assert routing.versions == arity_range and routing.supports(Version(version))
+    for version, routing in (("1.16.0", "route_three"), ("0.20.0", "route_two")):
+        records = {t.attribute: t for t in ADAPTER.targets(Version(version))}
+        assert records["GRPOTrainer._get_per_token_logps_and_entropies"].wrapper.endswith(routing)
         assert records["GRPOTrainer._compute_loss"].option == "zero_advantage_filter"
-        tiled = records["GRPOTrainer.compute_loss"]
-        assert tiled.option == "tiled_loss" and tiled.supports(Version(version)) == (version == "1.16.0")
+        assert ("GRPOTrainer.compute_loss" in records) == (version == "1.16.0")
+    with pytest.raises(UnsupportedFrameworkError, match=r"trl 0.20.0: tiled_loss needs trl >=1.16"):
+        ADAPTER.select(Version("0.20.0"), Options(tiled_loss=True))

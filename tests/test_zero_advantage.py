@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import grpo_patches
-from grpo_patches.errors import IncompatibleOptionsError, OptionError, UnknownFrameworkError
+from grpo_patches.errors import IncompatibleOptionsError, OptionError
 from grpo_patches.plugins import hook
+from grpo_patches.adapters.trl.loss_types import denominator as trl_denominator
 from grpo_patches.zero_advantage import (
-    AGGREGATIONS,
+    DENOMINATORS,
+    GradientTerm,
     ZeroAdvantageFilter,
-    aggregation_for,
     filter_zero_advantage,
     require_filter_compatible,
 )
@@ -36,30 +37,30 @@ def _row_mean(l, m, clamp=True):  # noqa: E741 - l is the per-token loss
     return (l * m).sum(-1) / count
 
 
-#: (framework, mode, version, the framework's aggregation of per-token loss l with mask m)
+#: (framework, mode, what its loss divides by, the framework's aggregation of per-token loss l with mask m)
 CASES = {
-    "trl-grpo": ("trl", "grpo", None, lambda l, m: _row_mean(l, m).mean() / GA),
-    "trl-sapo": ("trl", "sapo", None, lambda l, m: _row_mean(l, m).mean() / GA),
-    "trl-bnpo": ("trl", "bnpo", None, lambda l, m: (l * m).sum() / m.sum().clamp(min=1.0) / GA),
-    "trl-dr_grpo": ("trl", "dr_grpo", None, lambda l, m: (l * m).sum() / (l.size(0) * MAX_COMPLETION) / GA),
-    "trl-luspo": ("trl", "luspo", None, lambda l, m: (l * m).sum(-1).mean() / GA),
-    "trl-dapo": ("trl", "dapo", None, lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
-    "trl-cispo": ("trl", "cispo", None, lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
-    "trl-vespo": ("trl", "vespo", None, lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
-    "verl07-token-mean": ("verl", "token-mean", "0.7.1", lambda l, m: (l * m).sum() / (m.sum() + 1e-8)),
-    "verl07-seq-mean-token-sum": ("verl", "seq-mean-token-sum", "0.7.1", lambda l, m: (l * m).sum(-1).mean()),
+    "trl-grpo": ("trl", "grpo", trl_denominator("grpo"), lambda l, m: _row_mean(l, m).mean() / GA),
+    "trl-sapo": ("trl", "sapo", trl_denominator("sapo"), lambda l, m: _row_mean(l, m).mean() / GA),
+    "trl-bnpo": ("trl", "bnpo", trl_denominator("bnpo"), lambda l, m: (l * m).sum() / m.sum().clamp(min=1.0) / GA),
+    "trl-dr_grpo": ("trl", "dr_grpo", trl_denominator("dr_grpo"), lambda l, m: (l * m).sum() / (l.size(0) * MAX_COMPLETION) / GA),
+    "trl-luspo": ("trl", "luspo", trl_denominator("luspo"), lambda l, m: (l * m).sum(-1).mean() / GA),
+    "trl-dapo": ("trl", "dapo", trl_denominator("dapo"), lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
+    "trl-cispo": ("trl", "cispo", trl_denominator("cispo"), lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
+    "trl-vespo": ("trl", "vespo", trl_denominator("vespo"), lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
+    "verl07-token-mean": ("verl", "token-mean", "tokens", lambda l, m: (l * m).sum() / (m.sum() + 1e-8)),
+    "verl07-seq-mean-token-sum": ("verl", "seq-mean-token-sum", "rows", lambda l, m: (l * m).sum(-1).mean()),
     "verl07-seq-mean-token-mean": (
-        "verl", "seq-mean-token-mean", "0.7.1", lambda l, m: _row_mean(l, m, clamp=False).mean()
+        "verl", "seq-mean-token-mean", "rows", lambda l, m: _row_mean(l, m, clamp=False).mean()
     ),
     "verl07-seq-mean-token-sum-norm": (
-        "verl", "seq-mean-token-sum-norm", "0.7.1", lambda l, m: (l * m).sum() / m.shape[-1]
+        "verl", "seq-mean-token-sum-norm", "fixed", lambda l, m: (l * m).sum() / m.shape[-1]
     ),
-    "verl09-token-mean": ("verl", "token-mean", "0.9.1", lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
+    "verl09-token-mean": ("verl", "token-mean", "fixed", lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
     "verl09-seq-mean-token-mean": (
-        "verl", "seq-mean-token-mean", "0.9.1", lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS
+        "verl", "seq-mean-token-mean", "fixed", lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS
     ),
-    "nemo_rl-token": ("nemo_rl", "token", None, lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
-    "nemo_rl-sequence": ("nemo_rl", "sequence", None, lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS),
+    "nemo_rl-token": ("nemo_rl", "token", "fixed", lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
+    "nemo_rl-sequence": ("nemo_rl", "sequence", "fixed", lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS),
 }
 
 
@@ -137,9 +138,9 @@ def model():
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_filter_reproduces_loss_and_gradient(model, case, batch_name):
-    framework, mode, version, aggregate = CASES[case]
+    _, _, denominator, aggregate = CASES[case]
     batch, zero_rows, rows_dropped, padding = BATCHES[batch_name]
-    filt = filter_zero_advantage(batch["advantages"], batch["mask"], aggregation_for(framework, mode, version=version))
+    filt = filter_zero_advantage(batch["advantages"], batch["mask"], denominator)
     assert (filt.rows_dropped, filt.padding_rows) == (rows_dropped, padding)
     kept_zero = [int(i) for i in filt.keep if i in zero_rows]
     assert filt.tokens_dropped == tokens_of(batch, zero_rows) - tokens_of(batch, kept_zero)
@@ -150,10 +151,9 @@ def test_filter_reproduces_loss_and_gradient(model, case, batch_name):
 @pytest.mark.parametrize("case", ["trl-bnpo", "trl-grpo", "verl07-token-mean", "trl-dapo"])
 def test_a_wrong_weight_is_detected(model, case):
     """The comparison is sharp: 1e-4 off in the weights, or naive dropping, fails it."""
-    _, _, version, aggregate = CASES[case]
-    framework, mode = CASES[case][:2]
+    _, _, denominator, aggregate = CASES[case]
     batch = BATCHES["mixed"][0]
-    filt = filter_zero_advantage(batch["advantages"], batch["mask"], aggregation_for(framework, mode, version=version))
+    filt = filter_zero_advantage(batch["advantages"], batch["mask"], denominator)
     want = loss_and_grads(model, batch, aggregate)
     assert max_rel_diff(loss_and_grads(model, batch, aggregate, filt, filt.weights * (1 + 1e-4)), want) > 10 * TOL
     if filt.scale != 1.0:  # local denominators: dropping rows without weights changes the result
@@ -164,20 +164,21 @@ def test_a_wrong_weight_is_detected(model, case):
 def test_weights_and_scale_values():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]], dtype=DTYPE)
     adv = torch.tensor([0.0, 1.0, -0.0, -2.0], dtype=DTYPE)
-    expect = {"token-mean": 4 / 9, "seq-mean-token-mean": 0.5, "seq-mean-token-sum": 0.5, "fixed-denominator": 1.0}
-    for aggregation in AGGREGATIONS:
-        filt = filter_zero_advantage(adv, mask, aggregation)
-        assert filt.keep.tolist() == [1, 3] and filt.scale == pytest.approx(expect[aggregation], abs=0)
-        assert filt.weights.tolist() == [expect[aggregation]] * 2
+    expect = {"tokens": 4 / 9, "rows": 0.5, "fixed": 1.0}
+    assert set(expect) == set(DENOMINATORS)
+    for denominator in DENOMINATORS:
+        filt = filter_zero_advantage(adv, mask, denominator)
+        assert filt.keep.tolist() == [1, 3] and filt.scale == pytest.approx(expect[denominator], abs=0)
+        assert filt.weights.tolist() == [expect[denominator]] * 2
         assert (filt.rows_dropped, filt.tokens_dropped, filt.padding_rows, filt.rows_kept) == (2, 5, 0, 2)
 
 
 def test_exact_zero_only_never_a_tolerance():
     """|A| = 2.4e-3 or 1e-300 from an 'identical rewards' group is kept; only 0.0 / -0.0 is dropped."""
     mask = torch.ones(4, 3)
-    filt = filter_zero_advantage(torch.tensor([2.4e-3, 1e-300, 0.0, -0.0], dtype=DTYPE), mask, "token-mean")
+    filt = filter_zero_advantage(torch.tensor([2.4e-3, 1e-300, 0.0, -0.0], dtype=DTYPE), mask, "tokens")
     assert filt.keep.tolist() == [0, 1]
-    nan = filter_zero_advantage(torch.tensor([float("nan"), 0.0]), torch.ones(2, 3), "token-mean")
+    nan = filter_zero_advantage(torch.tensor([float("nan"), 0.0]), torch.ones(2, 3), "tokens")
     assert nan.keep.tolist() == [0]  # a NaN must still reach the loss
     assert nan.weights.dtype == torch.float32
 
@@ -185,26 +186,26 @@ def test_exact_zero_only_never_a_tolerance():
 def test_per_token_advantages_count_only_unmasked_tokens():
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]])
     adv = torch.tensor([[0.0, 0.0, 5.0], [0.0, 0.3, 0.0], [0.0, 0.0, 0.0]])
-    filt = filter_zero_advantage(adv, mask, "seq-mean-token-sum")
+    filt = filter_zero_advantage(adv, mask, "rows")
     assert filt.keep.tolist() == [1] and filt.weights.tolist() == [pytest.approx(1 / 3)]
 
 
 def test_all_zero_keeps_the_shortest_row_at_weight_zero():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
-    filt = filter_zero_advantage(torch.zeros(3), mask, "token-mean")
+    filt = filter_zero_advantage(torch.zeros(3), mask, "tokens")
     assert filt.keep.tolist() == [1] and filt.weights.tolist() == [0.0] and filt.scale == 0.0
     assert (filt.rows_dropped, filt.tokens_dropped, filt.padding_rows) == (2, 5, 1)
 
 
 def test_bad_inputs_are_clear_errors():
-    with pytest.raises(OptionError, match="unknown aggregation 'mean'; valid ones are: token-mean"):
+    with pytest.raises(OptionError, match="unknown denominator 'mean'; valid ones are: tokens, rows, fixed"):
         filter_zero_advantage(torch.zeros(2), torch.ones(2, 3), "mean")
     with pytest.raises(ValueError, match="one advantage per row"):
-        filter_zero_advantage(torch.zeros(3), torch.ones(2, 3), "token-mean")
+        filter_zero_advantage(torch.zeros(3), torch.ones(2, 3), "tokens")
     with pytest.raises(ValueError, match="mask's shape"):
-        filter_zero_advantage(torch.zeros(2, 4), torch.ones(2, 3), "token-mean")
+        filter_zero_advantage(torch.zeros(2, 4), torch.ones(2, 3), "tokens")
     with pytest.raises(ValueError, match="not initialised"):
-        filter_zero_advantage(torch.zeros(2), torch.ones(2, 3), "token-mean", group=object())
+        filter_zero_advantage(torch.zeros(2), torch.ones(2, 3), "tokens", group=object())
 
 
 # --- framework modes ------------------------------------------------------------------
@@ -224,36 +225,40 @@ def _trl_loss_types_in_compute_loss() -> set[str]:
     return found
 
 
-def test_aggregation_for_covers_every_trl_loss_type():
+def test_the_trl_table_covers_every_trl_loss_type():
     loss_types = _trl_loss_types_in_compute_loss()
     assert {"grpo", "bnpo", "dr_grpo"} <= loss_types  # in every supported TRL (0.20+); the scan works
     for loss_type in loss_types:
-        assert aggregation_for("trl", loss_type) in AGGREGATIONS
+        assert trl_denominator(loss_type) in DENOMINATORS
 
 
-def test_aggregation_for_verl_depends_on_version_and_nemo_is_global():
-    assert aggregation_for("verl", "token-mean", version="0.7.1") == "token-mean"
-    assert aggregation_for("verl", "seq-mean-token-sum-norm", version="0.7.1") == "fixed-denominator"
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        assert aggregation_for("verl", mode, version="0.8.0") == "fixed-denominator"
-    assert aggregation_for("nemo-rl", "sequence") == aggregation_for("nemo_rl", "token") == "fixed-denominator"
-    with pytest.raises(OptionError, match="needs version="):
-        aggregation_for("verl", "token-mean")
-
-
-def test_aggregation_for_unknown_mode_or_framework():
+def test_unknown_trl_loss_type():
     with pytest.raises(OptionError, match=r"unknown trl loss mode 'gspo'; valid ones are: grpo, .*vespo"):
-        aggregation_for("trl", "gspo")
-    with pytest.raises(UnknownFrameworkError, match="valid names are: trl, verl, nemo_rl"):
-        aggregation_for("openrlhf", "token-mean")
+        trl_denominator("gspo")
 
 
 # --- settings that make the filter inexact -----------------------------------------------
 
 
+def terms(**values):
+    """GradientTerms as the TRL adapter describes its settings (beta, entropy, quantile ...)."""
+    from types import SimpleNamespace
+
+    from grpo_patches.adapters.trl.loss_types import gradient_terms
+
+    described = {t.setting: t for t in gradient_terms(SimpleNamespace(aux_loss_enabled=True, use_adaptive_entropy=False))}
+    described["entropy_coeff"] = GradientTerm("entropy_coeff", 0.0, "an entropy bonus")  # verl's name
+    described["kl_loss_coef"] = GradientTerm("kl_loss_coef", 0.0, "a KL loss")
+    out = []
+    for name, value in values.items():
+        base = described.get(name, GradientTerm(name, 0.0))
+        out.append(GradientTerm(name, value, base.term, base.neutral, base.why))
+    return out
+
+
 def test_require_filter_compatible_message():
     with pytest.raises(IncompatibleOptionsError) as info:
-        require_filter_compatible(beta=0.04, framework="trl")
+        require_filter_compatible(terms(beta=0.04))
     assert str(info.value) == (
         "the zero-advantage filter needs beta == 0 (got 0.04): a KL term gives zero-advantage rows a gradient. "
         "Set beta=0, or pass zero_advantage_filter=False (or 'auto') to grpo_patches.enable(...)"
@@ -262,18 +267,18 @@ def test_require_filter_compatible_message():
 
 def test_require_filter_compatible_reports_every_offender():
     with pytest.raises(IncompatibleOptionsError) as info:
-        require_filter_compatible(entropy_coeff=0.01, kl_loss_coef=0.0, router_aux_loss_coef=1e-3, my_coef=2.0)
+        require_filter_compatible(terms(entropy_coeff=0.01, kl_loss_coef=0.0, router_aux_loss_coef=1e-3, my_coef=2.0))
     text = str(info.value)
     assert "entropy_coeff == 0 (got 0.01): an entropy bonus" in text
     assert "router_aux_loss_coef == 0 (got 0.001): a router aux loss" in text
     assert "my_coef == 0 (got 2.0): the term weighted by my_coef" in text and "kl_loss_coef" not in text
     with pytest.raises(IncompatibleOptionsError, match=r"top_entropy_quantile == 1 \(got 0.2\)"):
-        require_filter_compatible(top_entropy_quantile=0.2)
+        require_filter_compatible(terms(top_entropy_quantile=0.2))
     with pytest.raises(IncompatibleOptionsError, match=r"beta == 0 \(got nan\)"):
-        require_filter_compatible(beta=float("nan"))
+        require_filter_compatible(terms(beta=float("nan")))
     with pytest.raises(OptionError, match="beta must be a number"):
-        require_filter_compatible(beta="0")
-    require_filter_compatible(beta=0.0, entropy_coef=-0.0, top_entropy_quantile=1.0, framework="trl")
+        require_filter_compatible(terms(beta="0"))
+    require_filter_compatible(terms(beta=0.0, entropy_coef=-0.0, top_entropy_quantile=1.0))
 
 
 # --- plugin manager ---------------------------------------------------------------------
@@ -282,7 +287,7 @@ def test_require_filter_compatible_reports_every_offender():
 def test_default_through_the_plugin_hook():
     batch = BATCHES["mixed"][0]
     filt = hook().grpo_filter_zero_advantage(
-        advantages=batch["advantages"], mask=batch["mask"], aggregation="token-mean", group=None
+        advantages=batch["advantages"], mask=batch["mask"], denominator="tokens", group=None
     )
     assert isinstance(filt, ZeroAdvantageFilter) and filt.rows_dropped == 3
 
@@ -293,7 +298,7 @@ class KeepEverything:
     defer = False
 
     @grpo_patches.hookimpl
-    def grpo_filter_zero_advantage(self, advantages, mask, aggregation, group):
+    def grpo_filter_zero_advantage(self, advantages, mask, denominator, group):
         if self.defer:
             return None
         rows = advantages.shape[0]
@@ -310,7 +315,7 @@ def keep_everything():
 
 def test_a_plugin_overrides_the_default(keep_everything):
     batch = BATCHES["mixed"][0]
-    call = dict(advantages=batch["advantages"], mask=batch["mask"], aggregation="token-mean", group=None)
+    call = dict(advantages=batch["advantages"], mask=batch["mask"], denominator="tokens", group=None)
     assert hook().grpo_filter_zero_advantage(**call).rows_kept == ROWS
     keep_everything.defer = True  # None defers to the built-in filter
     assert hook().grpo_filter_zero_advantage(**call).rows_kept == ROWS - 3

@@ -1,43 +1,45 @@
 """TRL adapter: ``GRPOTrainer`` in TRL 0.20 - 1.16 (the versions with the modulo recompute rule).
 
-Patch records, applied in this order (a later record wraps an earlier one on the same method):
+:data:`PATCHES` is the adapter's one patch table. Records on the same method are applied in
+table order (a later one wraps an earlier one):
 
-- :mod:`.recompute` (option ``recompute``): ``GRPOTrainer.training_step`` counts the real
-  accumulation window.
-- :mod:`.generation` (always; each part checks its option): ``GRPOTrainer.
-  _generate_and_score_completions`` computes old log-probs exactly for the rollouts that
-  need them (``recompute``) and reports the reference pass TRL skips with ``beta == 0``
-  (``logprob_skip``, :mod:`.logprob_passes`).
-- :mod:`.loss` (options ``zero_advantage_filter``, ``tiled_loss``): the loss path.
+- ``training_step`` (option ``recompute``): counts the real accumulation window (:mod:`.recompute`).
+- ``_generate_and_score_completions`` (always; each part checks its option): computes old
+  log-probs exactly for the rollouts that need them (``recompute``) and reports the reference
+  pass TRL skips with ``beta == 0`` (``logprob_skip``, :mod:`.logprob_passes`).
+- ``_get_per_token_logps_and_entropies`` (always; inert outside a loss call): answers the
+  policy forward of one loss call for a row subset and/or through the tiled loss
+  (:mod:`.loss_rows`). It returns 2 values in TRL 0.20-1.6 and 3 (plus the MoE aux loss) from 1.7.
+- ``_compute_loss`` (``zero_advantage_filter``): :mod:`.filter`.
+- ``compute_loss`` (``tiled_loss``; TRL 1.16, whose loss normalisers it reproduces): :mod:`.tiled`.
+- ``__init__`` (always): checks a new trainer's config for the loss patches at once, so an
+  incompatible setting is an error when the trainer is built, not after the first rollout.
 
-Counters go to ``grpo_patches.status()`` and TRL's own metrics (:mod:`.metrics`).
+Counters go to ``grpo_patches.status()`` and TRL's own metrics (:mod:`.metrics`). Wrappers are
+named by string so that importing this table imports neither torch nor TRL.
 """
 
 from __future__ import annotations
 
-from packaging.version import Version
-
-from grpo_patches.adapter import Adapter
 from grpo_patches.patching import PatchTarget
+from grpo_patches.registry import Adapter
 
-SUPPORTED = ">=0.20,<1.17"
+MODULE = "trl.trainer.grpo_trainer"
+_HERE = "grpo_patches.adapters.trl"
 
-
-def targets(version: Version) -> list[PatchTarget]:
-    """Every patch record for TRL ``version`` (modules imported lazily: no torch at import)."""
-    from grpo_patches.adapters.trl import generation, loss, recompute
-
-    return [
-        *recompute.recompute_targets(version),
-        *generation.generation_targets(version),
-        *loss.loss_targets(version),
-    ]
-
-
-ADAPTER = Adapter(
-    name="trl",
-    distribution="trl",
-    supported=SUPPORTED,
-    trigger_module="trl.trainer.grpo_trainer",
-    targets=targets,
+#: Every patch record of the TRL adapter (module, attribute, wrapper, versions, option).
+PATCHES = (
+    PatchTarget(MODULE, "GRPOTrainer.training_step", f"{_HERE}.recompute:track_window", option="recompute"),
+    PatchTarget(MODULE, "GRPOTrainer._generate_and_score_completions", f"{_HERE}.generation:generation_wrapper"),
+    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_two",
+                versions="<1.7.0.dev0"),
+    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_three",
+                versions=">=1.7.0.dev0"),
+    PatchTarget(MODULE, "GRPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper",
+                option="zero_advantage_filter"),
+    PatchTarget(MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.tiled:compute_loss_wrapper", versions=">=1.16",
+                option="tiled_loss"),
+    PatchTarget(MODULE, "GRPOTrainer.__init__", f"{_HERE}.loss:check_on_init"),
 )
+
+ADAPTER = Adapter(name="trl", distribution="trl", supported=">=0.20,<1.17", patches=PATCHES)

@@ -29,22 +29,9 @@ from typing import Any, Callable
 from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 
-from . import metrics
+from . import metrics, state
 from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
-
-_STATE_ATTR = "_grpo_patches_filter_on"
-
-
-def incompatible_settings(trainer: Any) -> dict[str, float]:
-    """The trainer's settings that decide whether zero-advantage rows have a gradient."""
-    settings: dict[str, float] = {"beta": float(getattr(trainer, "beta", 0.0))}
-    settings["top_entropy_quantile"] = float(getattr(trainer, "top_entropy_quantile", 1.0))
-    settings["entropy_coef"] = float(getattr(trainer, "entropy_coef", 0.0) or 0.0)
-    if getattr(trainer, "use_adaptive_entropy", False):
-        settings["use_adaptive_entropy"] = 1.0  # the bonus can switch on later in training
-    if getattr(trainer, "aux_loss_enabled", False):
-        settings["router_aux_loss_coef"] = float(getattr(trainer, "router_aux_loss_coef", 0.0))
-    return settings
+from .loss_types import denominator, gradient_terms
 
 
 def decide(trainer: Any) -> bool:
@@ -54,26 +41,23 @@ def decide(trainer: Any) -> bool:
         gives zero-advantage rows a gradient (names the setting and the fix).
     :raises OptionError: ``zero_advantage_filter=True`` with a ``loss_type`` it cannot handle.
     """
-    cached = trainer.__dict__.get(_STATE_ATTR)
-    if cached is not None:
-        return cached
-    from grpo_patches.zero_advantage import aggregation_for, require_filter_compatible
+    own = state.of(trainer)
+    if own.filter_on is not None:
+        return own.filter_on
+    from grpo_patches.zero_advantage import require_filter_compatible
 
-    options = api.active_options("trl")
-    value = True if options is None else options.zero_advantage_filter
-    strict = value is True and not api.enabled_via_all("trl")
     loss_type = getattr(trainer, "loss_type", "grpo")
     try:
-        require_filter_compatible(framework="trl", **incompatible_settings(trainer))
-        aggregation_for("trl", loss_type)
+        require_filter_compatible(gradient_terms(trainer))
+        denominator(loss_type)
     except (IncompatibleOptionsError, OptionError) as exc:
-        if strict:
+        if api.active_options("trl") is None or api.strict("trl", "zero_advantage_filter"):
             raise type(exc)(f"zero_advantage_filter=True: {exc}") from None
         api.note("trl", "zero_advantage_filter", f"off: {exc}")
-        trainer.__dict__[_STATE_ATTR] = False
+        own.filter_on = False
         return False
     api.note("trl", "zero_advantage_filter", f"on (loss_type={loss_type!r})")
-    trainer.__dict__[_STATE_ATTR] = True
+    own.filter_on = True
     return True
 
 
@@ -86,12 +70,11 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
         return wrapped(*args, **kwargs)  # per-image tensors are not row-indexed: keep every row
 
     from grpo_patches.plugins import hook
-    from grpo_patches.zero_advantage import aggregation_for
 
     plan = hook().grpo_filter_zero_advantage(
         advantages=inputs["advantages"],
         mask=loss_mask(inputs),
-        aggregation=aggregation_for("trl", instance.loss_type),
+        denominator=denominator(instance.loss_type),
         group=None,
     )
     distributed = getattr(instance.accelerator, "num_processes", 1) > 1

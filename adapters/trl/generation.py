@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from grpo_patches import api
-from grpo_patches.adapters.trl.logprob_passes import observe_logprob_passes
-from grpo_patches.adapters.trl.recompute import TRAINER_MODULE, VERSIONS, exact_recompute
-from grpo_patches.patching import PatchTarget
+
+from .logprob_passes import observe_logprob_passes
+from .recompute import exact_recompute
 
 
 def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -28,8 +28,3 @@ def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: di
     if options.logprob_skip:
         observe_logprob_passes(instance, output)
     return output
-
-
-def generation_targets(version: Any) -> list[PatchTarget]:
-    """Applied whenever TRL is enabled; each part checks its own option."""
-    return [PatchTarget(TRAINER_MODULE, "GRPOTrainer._generate_and_score_completions", generation_wrapper, VERSIONS)]

@@ -20,10 +20,10 @@ Any other call (generation-time passes, no active :class:`LossCall`) goes straig
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-CALL_ATTR = "_grpo_patches_loss_call"
+from . import state
 
 #: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
 ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -60,7 +60,6 @@ class LossCall:
     tiled: TiledRows | None = None
     tiled_loss: Any = None
     used: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def loss_mask(inputs: Any) -> Any:
@@ -71,7 +70,7 @@ def loss_mask(inputs: Any) -> Any:
 
 
 def active_call(trainer: Any) -> LossCall | None:
-    return trainer.__dict__.get(CALL_ATTR)
+    return state.of(trainer).loss_call
 
 
 class loss_call:
@@ -85,13 +84,13 @@ class loss_call:
         call = active_call(self.trainer)
         if call is None:
             call = LossCall()
-            self.trainer.__dict__[CALL_ATTR] = call
+            state.of(self.trainer).loss_call = call
             self.owner = True
         return call
 
     def __exit__(self, *exc: Any) -> None:
         if self.owner:
-            self.trainer.__dict__.pop(CALL_ATTR, None)
+            state.of(self.trainer).loss_call = None
 
 
 def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -118,7 +117,7 @@ def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int) -> Any:
     return out
 
 
-def make_routing_wrapper(arity: int) -> Callable[..., Any]:
+def _routing_wrapper(arity: int) -> Callable[..., Any]:
     """wrapt wrapper of ``_get_per_token_logps_and_entropies`` returning ``arity`` values
     (2 in TRL 0.20-1.6: logps, entropies; 3 from 1.7: plus the MoE aux loss)."""
 
@@ -168,3 +167,8 @@ def make_routing_wrapper(arity: int) -> Callable[..., Any]:
         return logps, entropies, aux
 
     return per_token_logps_and_entropies
+
+
+#: The routing wrapper for TRL 0.20-1.6 (logps, entropies) and for 1.7+ (plus the MoE aux loss).
+route_two = _routing_wrapper(2)
+route_three = _routing_wrapper(3)

@@ -11,8 +11,9 @@ from typing import Any
 
 from grpo_patches import savings
 
+from . import state
+
 PREFIX = "grpo_patches/"
-_TOTALS_ATTR = "_grpo_patches_metric_totals"
 
 
 def mode_of(trainer: Any) -> str:
@@ -27,13 +28,6 @@ def _bucket(trainer: Any, mode: str | None) -> Any:
     return metrics[mode or mode_of(trainer)]
 
 
-def log_metric(trainer: Any, name: str, value: float, mode: str | None = None) -> None:
-    """Log one value of ``grpo_patches/<name>``; TRL averages the values of a logging window."""
-    bucket = _bucket(trainer, mode)
-    if bucket is not None:
-        bucket[PREFIX + name].append(float(value))
-
-
 def add_count(trainer: Any, name: str, value: float = 1, mode: str | None = None) -> float:
     """Add ``value`` to a per-trainer running total and log the total as ``grpo_patches/<name>``.
 
@@ -42,7 +36,7 @@ def add_count(trainer: Any, name: str, value: float = 1, mode: str | None = None
     Returns the new total.
     """
     mode = mode or mode_of(trainer)
-    totals = trainer.__dict__.setdefault(_TOTALS_ATTR, {})
+    totals = state.of(trainer).totals
     key = (mode, name)
     totals[key] = totals.get(key, 0) + value
     bucket = _bucket(trainer, mode)
@@ -53,7 +47,7 @@ def add_count(trainer: Any, name: str, value: float = 1, mode: str | None = None
 
 def count_total(trainer: Any, name: str, mode: str = "train") -> float:
     """The running total of a counter kept by :func:`add_count` (0 if never touched)."""
-    return trainer.__dict__.get(_TOTALS_ATTR, {}).get((mode, name), 0)
+    return state.of(trainer).totals.get((mode, name), 0)
 
 
 def report(trainer: Any, **counts: float) -> None:

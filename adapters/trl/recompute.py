@@ -33,17 +33,12 @@ from typing import Any, Callable
 import wrapt
 
 from grpo_patches import api
-from grpo_patches.adapters.trl import metrics
 from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
-from grpo_patches.patching import PatchTarget
 from grpo_patches.plugins import hook
-from grpo_patches.recompute import cap_consumptions, window_steps_left
-from grpo_patches.schedule import hf_micro_steps_left
+from grpo_patches.recompute import cap_consumptions, explain, window_steps_left
 
-TRAINER_MODULE = "trl.trainer.grpo_trainer"
-VERSIONS = ">=0.20,<1.17"
-_WINDOW_ATTR = "_grpo_patches_window"
-_DECISION_ATTR = "_grpo_patches_last_recompute"
+from . import metrics, state
+from .schedule import hf_micro_steps_left
 
 
 @dataclass
@@ -59,16 +54,16 @@ class _Window:
 class RecomputeDecision:
     """One rollout's decision, kept on the trainer for the log-prob observer and tests."""
 
-    compute: bool  # old log-probs are computed for this rollout
+    compute: bool  # old log-probs are computed for this rollout (the hook's answer)
     upstream: bool  # what TRL's own modulo rule would have done
     consumptions_left: int
     window_steps_left: int
-    importance_sampling: bool
+    importance_sampling: bool  # TRL's vLLM correction: the hook's ``needed_elsewhere``
 
 
 def _window_index(trainer: Any) -> int:
     """0-based index of the running micro-step within its accumulation window."""
-    window = trainer.__dict__.get(_WINDOW_ATTR)
+    window = state.of(trainer).window
     if window is None or window.state is not trainer.state or window.global_step != trainer.state.global_step:
         return 0
     return window.done
@@ -77,9 +72,10 @@ def _window_index(trainer: Any) -> int:
 def track_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``training_step`` wrapper: count the micro-steps of the current accumulation window."""
     index = _window_index(instance)
-    instance.__dict__[_WINDOW_ATTR] = _Window(instance.state, instance.state.global_step, index)
+    window = _Window(instance.state, instance.state.global_step, index)
+    state.of(instance).window = window
     result = wrapped(*args, **kwargs)
-    instance.__dict__[_WINDOW_ATTR].done = index + 1
+    window.done = index + 1
     return result
 
 
@@ -141,7 +137,7 @@ def decide(trainer: Any) -> RecomputeDecision:
         framework="trl",
         consumptions_left=consumptions,
         window_steps_left=left_in_window,
-        importance_sampling=sampling,
+        needed_elsewhere=sampling,
     )
     compute = upstream if answer is None else bool(answer) or sampling
     return RecomputeDecision(compute, upstream, consumptions, left_in_window, sampling)
@@ -188,7 +184,7 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
             f"gradient_accumulation_steps modulo rule (old log-probs {'missing' if compute else 'present'} "
             f"after deciding compute={compute}); disable this patch with grpo_patches.enable('trl', recompute=False)"
         )
-    instance.__dict__[_DECISION_ATTR] = decision
+    state.of(instance).last_decision = decision
     metrics.report(
         instance,
         old_logprob_passes_skipped=int(decision.upstream and not compute),
@@ -196,24 +192,16 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
     )
     computed = metrics.add_count(instance, "old_logprob_passes", int(compute))
     rollouts = metrics.add_count(instance, "rollouts", 1)
+    reason = explain(compute, decision.consumptions_left, decision.window_steps_left, decision.importance_sampling)
     api.note(
         "trl",
         "old_logprob_pass",
         f"computed for {int(computed)} of {int(rollouts)} rollouts "
-        f"(TRL's modulo rule: {'every' if decision.upstream else 'none'}); last: "
-        f"consumptions_left={decision.consumptions_left}, window_steps_left={decision.window_steps_left}, "
-        f"importance_sampling={decision.importance_sampling}",
+        f"(TRL's modulo rule: {'every' if decision.upstream else 'none'}); last rollout: {reason}",
     )
     return output
 
 
 def last_decision(trainer: Any) -> RecomputeDecision | None:
     """The decision taken for the trainer's latest rollout (``None`` before the first)."""
-    return trainer.__dict__.get(_DECISION_ATTR)
-
-
-def recompute_targets(version: Any) -> list[PatchTarget]:
-    """The window counter (option ``recompute``). The decision itself runs inside the
-    ``_generate_and_score_completions`` record of :mod:`.generation`, which shares it with the
-    log-prob pass observer."""
-    return [PatchTarget(TRAINER_MODULE, "GRPOTrainer.training_step", track_window, VERSIONS, option="recompute")]
+    return state.of(trainer).last_decision

@@ -21,9 +21,10 @@ from typing import Any, Callable, Mapping
 from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError
 
+from . import state
 from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
+from .loss_types import denominator
 
-_CHECKED_ATTR = "_grpo_patches_tiled_checked"
 #: Config attributes of logit transforms the tiled loss does not apply (TRL's fused head does).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
@@ -33,7 +34,8 @@ def check_supported(trainer: Any) -> None:
 
     :raises IncompatibleOptionsError: naming the setting and the fix.
     """
-    if trainer.__dict__.get(_CHECKED_ATTR):
+    own = state.of(trainer)
+    if own.tiled_checked:
         return
     from grpo_patches.tiled_loss import TRL_LOSS_TYPES
 
@@ -54,25 +56,26 @@ def check_supported(trainer: Any) -> None:
             "tiled_loss=True cannot reproduce TRL's loss with: " + "; ".join(problems)
             + ". Change the setting or pass tiled_loss=False to grpo_patches.enable(...)"
         )
-    trainer.__dict__[_CHECKED_ATTR] = True
+    own.tiled_checked = True
 
 
 def _normalizer(trainer: Any, inputs: Mapping[str, Any], mask: Any) -> float | Any:
     """TRL 1.16's denominator of the whole micro-batch, times its accumulation factor."""
-    from grpo_patches.zero_advantage import aggregation_for
-
     accumulation = trainer.current_gradient_accumulation_steps
-    kind = aggregation_for("trl", trainer.loss_type)  # the one table of TRL's denominators
-    if kind == "fixed-denominator":  # dapo / cispo / vespo: num_items_in_batch
+    kind = denominator(trainer.loss_type)  # the one table of TRL's denominators
+    if kind == "fixed":  # dapo / cispo / vespo: num_items_in_batch
         items = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
         return items * accumulation / trainer.args.steps_per_generation
-    if kind == "token-mean":  # bnpo: the micro-batch's tokens
+    if kind == "tokens":  # bnpo: the micro-batch's tokens
         return mask.sum().clamp(min=1.0) * accumulation
     return float(mask.shape[0] * accumulation)  # row aggregations: every row of the micro-batch
 
 
-def _loss_options(trainer: Any, inputs: Mapping[str, Any], mask: Any) -> dict[str, Any]:
+def loss_options(trainer: Any, inputs: Mapping[str, Any], rows: Any) -> dict[str, Any]:
+    """The ``grpo_lm_head_loss`` options reproducing TRL 1.16's loss for ``rows`` of ``inputs``
+    (normalised by the whole micro-batch, so a row subset keeps every denominator)."""
     args = trainer.args
+    mask = loss_mask(inputs)
     options: dict[str, Any] = dict(
         loss_type=trainer.loss_type,
         epsilon_low=trainer.epsilon_low,
@@ -110,6 +113,18 @@ def _loss_options(trainer: Any, inputs: Mapping[str, Any], mask: Any) -> dict[st
     tile_size = getattr(api.active_options("trl"), "tile_size", None)
     if tile_size is not None:
         options["tile_size"] = tile_size
+
+    def per_row(name: str) -> Any:
+        value = inputs.get(name)
+        return None if value is None else value[rows]
+
+    options["old_logps"] = per_row("old_per_token_logps")
+    if trainer.beta != 0.0:
+        options["ref_logps"] = per_row("ref_per_token_logps")
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        options["is_weights"] = per_row("importance_sampling_ratio")
+    if trainer.off_policy_mask_threshold is not None and inputs.get("sampling_per_token_logps") is not None:
+        options["sampling_logps"] = per_row("sampling_per_token_logps")
     return options
 
 
@@ -152,26 +167,13 @@ def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[[Any, Mapping[str, An
     def tiled_rows(trainer: Any, bound: Mapping[str, Any], rows: Any) -> tuple:
         from grpo_patches.plugins import hook
 
-        mask = loss_mask(inputs)
-        options = _loss_options(trainer, inputs, mask)
+        options = loss_options(trainer, inputs, rows)
         width = int(bound["logits_to_keep"])
         hidden, core = _last_hidden(trainer, bound["model"], bound, rows)
         hidden = hidden[:, -width - 1 : -1]  # position t predicts token t + 1
         if trainer.args.cast_lm_head_to_fp32:
             hidden = hidden.float()
         head = core.get_output_embeddings()
-
-        def per_row(name: str) -> Any:
-            value = inputs.get(name)
-            return None if value is None else value[rows]
-
-        extra = dict(old_logps=per_row("old_per_token_logps"), bias=head.bias)
-        if trainer.beta != 0.0:
-            extra["ref_logps"] = per_row("ref_per_token_logps")
-        if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-            extra["is_weights"] = per_row("importance_sampling_ratio")
-        if trainer.off_policy_mask_threshold is not None and inputs.get("sampling_per_token_logps") is not None:
-            extra["sampling_logps"] = per_row("sampling_per_token_logps")
         try:
             from trl.trainer.utils import maybe_gather_lm_head_ctx  # ZeRO-3: gather the head once
         except ImportError:  # pragma: no cover - older TRL
@@ -184,8 +186,8 @@ def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[[Any, Mapping[str, An
                 weight=head.weight,
                 labels=bound["input_ids"][rows][:, -width:],
                 advantages=inputs["advantages"][rows],
-                mask=mask[rows],
-                options={**options, **extra},
+                mask=loss_mask(inputs)[rows],
+                options={**options, "bias": head.bias},
             )
         return loss, values["logps"], values.get("entropy")
 

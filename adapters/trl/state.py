@@ -1,0 +1,34 @@
+"""Everything the TRL adapter remembers about one ``GRPOTrainer``: one object, cleared on disable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_patches import instance_state
+
+
+@dataclass
+class TrainerState:
+    """Per-trainer state (see :mod:`grpo_patches.instance_state`).
+
+    :ivar window: micro-steps done in the current accumulation window (:mod:`.recompute`).
+    :ivar last_decision: the recompute decision of the latest rollout (:mod:`.recompute`).
+    :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
+    :ivar tiled_checked: the tiled loss's settings were checked for this trainer.
+    :ivar loss_call: what the loss wrappers ask of the policy forward inside one
+        ``_compute_loss`` call (:mod:`.loss_rows`).
+    :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
+    """
+
+    window: Any = None
+    last_decision: Any = None
+    filter_on: bool | None = None
+    tiled_checked: bool = False
+    loss_call: Any = None
+    totals: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+def of(trainer: Any) -> TrainerState:
+    """The TRL adapter's state for ``trainer`` (created on first use)."""
+    return instance_state.state_of(trainer, "trl", TrainerState)
