@@ -43,6 +43,7 @@ class _Enabled:
     via_all: bool
     records: list[_Record]
     notes: dict[str, str] = field(default_factory=dict)
+    by_class: dict[str, dict[str, str]] = field(default_factory=dict)  # trainer class -> its notes
     order: list[AppliedPatch] = field(default_factory=list)  # application order, for exact undo
 
     def pending(self, module: str | None = None) -> list[_Record]:
@@ -239,16 +240,26 @@ def strict(framework: str, option: str) -> bool:
     return bool(state and getattr(state.options, option) is True and not state.via_all)
 
 
-def note(framework: str, key: str, text: str | None) -> None:
-    """Attach (or clear, with ``None``) a status note, e.g. why an optimization is off."""
+def note(framework: str, key: str, text: str | None, owner: Any = None) -> None:
+    """Attach (or clear, with ``None``) a status note, e.g. why an optimization is off.
+
+    :param owner: the framework object (or class) the note is about: what ran can differ per
+        trainer class (a subclass that overrides a wrapped method), so such notes are kept per
+        class, under ``status()[framework]["by_class"][<class name>]``.
+    """
     with _lock:
         state = _enabled.get(framework)
         if state is None:
             return
-        if text is None:
-            state.notes.pop(key, None)
+        if owner is not None:
+            klass = owner if isinstance(owner, type) else type(owner)
+            notes = state.by_class.setdefault(f"{klass.__module__}.{klass.__qualname__}", {})
         else:
-            state.notes[key] = text
+            notes = state.notes
+        if text is None:
+            notes.pop(key, None)
+        else:
+            notes[key] = text
 
 
 def _record_states(state: _Enabled) -> list[dict[str, Any]]:
@@ -301,6 +312,7 @@ def status() -> dict[str, dict[str, Any]]:
                 pending_import=bool(state.pending()),
                 options=state.options.as_dict(),
                 notes=dict(state.notes),
+                by_class={name: dict(notes) for name, notes in state.by_class.items()},
                 targets=[p.target.name for p in state.order],
                 patches=_record_states(state),
                 not_applicable=[o for o in OPTIMIZATIONS if o not in adapter.optimizations],

@@ -27,6 +27,9 @@ def format_status(report: dict[str, dict[str, Any]]) -> str:
                 details.append(f"  {name}: {record['target']}: {record['state']}")
         for key, text in entry["notes"].items():
             details.append(f"  {name}: {key}: {text}")
+        for klass, notes in entry.get("by_class", {}).items():
+            for key, text in notes.items():
+                details.append(f"  {name} [{klass}]: {key}: {text}")
         for key, value in sorted(entry["savings"].items()):
             details.append(f"  {name}: saved {key} = {value:g}")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]

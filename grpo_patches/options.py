@@ -8,9 +8,10 @@ from typing import Any, Mapping
 
 from grpo_patches.errors import OptionError
 
-#: Values of ``zero_advantage_filter``: ``"auto"`` switches the filter off (and says so in
-#: status) when the training config makes zero-advantage rows matter; ``True`` refuses.
-_FILTER_VALUES = ("auto", True, False)
+#: Values of ``zero_advantage_filter`` and ``tiled_loss``: ``"auto"`` switches the
+#: optimization off (and says why in status) when it cannot reproduce the config exactly;
+#: ``True`` refuses such a config with one clear error before training.
+_AUTO_VALUES = ("auto", True, False)
 #: The options that switch an optimization on or off (the others parametrise one).
 OPTIMIZATIONS = ("recompute", "logprob_skip", "zero_advantage_filter", "tiled_loss")
 
@@ -25,15 +26,24 @@ class Options:
     :ivar zero_advantage_filter: drop exactly-zero-advantage rows from the update
         (``"auto"``: on unless entropy/KL terms are active, then off and reported in status;
         ``True``: on, and a clear error when the config makes it inexact; ``False``: off).
-    :ivar tiled_loss: compute the policy loss with the tiled lm-head loss (opt-in).
+    :ivar tiled_loss: compute the policy loss with the tiled lm-head loss (opt-in; ``"auto"``:
+        on where it reproduces the framework's loss exactly, else the framework's own path
+        with the reason in status; ``True``: a clear error for what it cannot reproduce).
     :ivar tile_size: tokens per tile of the tiled loss; ``None`` picks it from a memory budget.
+    :ivar dropped_rows_metrics: the rows the zero-advantage filter drops get a no-grad
+        forward so that every metric logged over all rows (entropy, KL, ratio statistics)
+        stays exactly the framework's. Off by default: dropped rows then cost no forward at
+        all, and a metric that needs their forward is computed over the kept rows and logged
+        under a name that says so (``.../kept_rows``). Metrics the dropped rows provably do
+        not change (clip fractions: a zero advantage is never clipped) keep their names.
     """
 
     recompute: bool = True
     logprob_skip: bool = True
     zero_advantage_filter: bool | str = "auto"
-    tiled_loss: bool = False
+    tiled_loss: bool | str = False
     tile_size: int | None = None
+    dropped_rows_metrics: bool = False
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> "Options":
@@ -44,14 +54,13 @@ class Options:
             raise OptionError(
                 f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are: {', '.join(names)}"
             )
-        for name in ("recompute", "logprob_skip", "tiled_loss"):
+        for name in ("recompute", "logprob_skip", "dropped_rows_metrics"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name!r} must be True or False, got {options[name]!r}")
-        value = options.get("zero_advantage_filter", "auto")
-        if not any(value is v or (isinstance(v, str) and value == v) for v in _FILTER_VALUES):
-            raise OptionError(
-                f"option 'zero_advantage_filter' must be one of 'auto', True, False; got {value!r}"
-            )
+        for name in ("zero_advantage_filter", "tiled_loss"):
+            value = options.get(name, "auto")
+            if not any(value is v or (isinstance(v, str) and value == v) for v in _AUTO_VALUES):
+                raise OptionError(f"option {name!r} must be one of 'auto', True, False; got {value!r}")
         tile = options.get("tile_size")
         if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
             raise OptionError(f"option 'tile_size' must be a positive int or None, got {tile!r}")
@@ -81,7 +90,7 @@ def parse_env_options(text: str) -> dict[str, Any]:
                     result[name] = int(raw)
                 except ValueError:
                     raise OptionError(f"option 'tile_size' must be an int or none, got {raw!r}") from None
-        elif name == "zero_advantage_filter" and low == "auto":
+        elif name in ("zero_advantage_filter", "tiled_loss") and low == "auto":
             result[name] = "auto"
         elif low in ("1", "true", "yes", "on"):
             result[name] = True

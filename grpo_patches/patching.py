@@ -131,6 +131,19 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     return applied
 
 
+def overriding_class(klass: type, patched: type, attribute: str) -> type | None:
+    """The first class between ``klass`` and ``patched`` (in the MRO) that defines
+    ``attribute`` itself, or ``None``: then a wrapper on ``patched.<attribute>`` is what runs
+    for instances of ``klass``. A subclass that overrides a wrapped method bypasses the
+    wrapper unless it calls ``super()`` — adapters must not report such a patch as on."""
+    for base in klass.__mro__:
+        if base is patched:
+            return None
+        if attribute in vars(base):
+            return base
+    return None
+
+
 def restore_all(applied: Sequence[AppliedPatch]) -> None:
     """Undo patches in reverse order of application."""
     for patch in reversed(applied):

@@ -52,3 +52,15 @@ def test_status_command_json_in_a_fresh_interpreter():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout)) >= {"trl", "verl", "nemo_rl"}
+
+
+def test_auto_values_and_the_dropped_rows_option():
+    opts = Options.from_kwargs({"tiled_loss": "auto", "dropped_rows_metrics": True})
+    assert opts.tiled_loss == "auto" and opts.dropped_rows_metrics is True
+    assert Options().dropped_rows_metrics is False
+    assert parse_env_options("tiled_loss=auto,dropped_rows_metrics=1") == {"tiled_loss": "auto",
+                                                                           "dropped_rows_metrics": True}
+    with pytest.raises(OptionError, match="'tiled_loss' must be one of 'auto', True, False"):
+        Options.from_kwargs({"tiled_loss": "yes"})
+    with pytest.raises(OptionError, match="'dropped_rows_metrics' must be True or False"):
+        Options.from_kwargs({"dropped_rows_metrics": "auto"})

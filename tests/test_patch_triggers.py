@@ -114,3 +114,24 @@ def test_disable_clears_every_instance_state():
     assert instance_state.peek(b, "verl") == []  # another framework's state stays
     grpo_patches.disable()
     assert "_grpo_patches" not in vars(b)
+
+
+def test_notes_per_trainer_class_and_overriding_subclasses(site, monkeypatch):
+    from grpo_patches import api
+    from grpo_patches.patching import overriding_class
+
+    monkeypatch.syspath_prepend(str(site))
+    import fakefw.trainer as T
+
+    class Custom(T.SubTrainer):
+        def step(self, x):  # bypasses a wrapper on Trainer.step
+            return x
+
+    assert overriding_class(T.SubTrainer, T.Trainer, "step") is None
+    assert overriding_class(Custom, T.Trainer, "step") is Custom
+    grpo_patches.enable("fakefw")
+    api.note("fakefw", "step", "off: Custom overrides Trainer.step", owner=Custom())
+    api.note("fakefw", "step", "on", owner=T.Trainer)
+    by_class = grpo_patches.status()["fakefw"]["by_class"]
+    assert by_class[f"{__name__}.{Custom.__qualname__}"] == {"step": "off: Custom overrides Trainer.step"}
+    assert by_class["fakefw.trainer.Trainer"] == {"step": "on"}
