@@ -1,0 +1,68 @@
+"""The compat matrix (``compat/matrix.toml``) as Python objects, for nox, the report and the tests.
+
+Imports nothing outside the standard library, so nox can load it before any venv exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MATRIX = HERE / "matrix.toml"
+TIERS = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One framework version: how to install it and which tests prove it."""
+
+    framework: str
+    version: str
+    python: str
+    install: tuple[str, ...]
+    tests: tuple[str, ...]
+    gpu_tests: tuple[str, ...] = ()
+    source_env: str | None = None  # run from a checkout named by this variable (NEMO_RL_SRC)
+    torch: str | None = None  # a torch other than constraints.txt's (no CPU wheel for that Python)
+    ci: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}-{self.version}"
+
+    def tests_for(self, tier: str) -> tuple[str, ...]:
+        return self.tests + (self.gpu_tests if tier == "gpu" else ())
+
+    def missing_source(self) -> str | None:
+        """Why this cell cannot run here (``None`` when it can)."""
+        if self.source_env and not os.environ.get(self.source_env):
+            return f"not run: no source (set {self.source_env} to a checkout of {self.framework})"
+        return None
+
+
+def load(path: Path = MATRIX) -> list[Cell]:
+    """Every cell of the matrix, in file order."""
+    data = tomllib.loads(path.read_text())
+    cells = []
+    for framework, spec in data.items():
+        for entry in spec["versions"]:
+            cells.append(
+                Cell(
+                    framework=framework,
+                    version=entry["version"],
+                    python=entry.get("python", spec["python"]),
+                    install=tuple(entry.get("install", ())),
+                    tests=tuple(entry.get("tests", spec["tests"])),
+                    gpu_tests=tuple(entry.get("gpu_tests", spec.get("gpu_tests", ()))),
+                    source_env=spec.get("source_env"),
+                    torch=entry.get("torch", spec.get("torch")),
+                    ci=bool(entry.get("ci", False)),
+                    env=dict(entry.get("env", spec.get("env", {}))),
+                )
+            )
+    return cells
