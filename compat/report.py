@@ -31,7 +31,8 @@ def parse_junit(path: Path) -> dict:
     reasons: list[str] = []
     figures: dict[str, float] = {}
     for case in root.iter("testcase"):
-        name = f"{Path(case.get('file') or case.get('classname', '').replace('.', '/')).stem}::{case.get('name')}"
+        where = case.get("classname") or ""
+        name = f"{Path(where.replace('.', '/')).stem}::{case.get('name')}" if where else case.get("name", "")
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error"):
@@ -39,7 +40,10 @@ def parse_junit(path: Path) -> dict:
                 reasons.append(f"FAILED {name}: {(child.get('message') or '').splitlines()[0][:200]}")
             elif child.tag == "skipped":
                 outcome = "skipped"
-                reasons.append(f"skipped {name}: {(child.get('message') or '')[:200]}")
+                message = child.get("message") or ""
+                if message == "collection skipped" and "Skipped: " in (child.text or ""):  # a module-level skip
+                    message = (child.text or "").split("Skipped: ", 1)[1].rstrip("')\"")
+                reasons.append(f"skipped {name}: {message[:200]}")
             elif child.tag == "properties":
                 for prop in child:
                     key, value = prop.get("name", ""), prop.get("value", "")
