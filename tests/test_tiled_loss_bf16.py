@@ -70,7 +70,7 @@ def test_fp32_out_gemms_are_closer_than_dense_bf16(seed, fp32_out_gemms):
 
 @pytest.mark.parametrize("options", [
     dict(loss_type="grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.9, tile_size=7, return_entropy=True),
-    dict(loss_type="dapo", old_logps=1, entropy_coef=0.05, tile_size=5),
+    dict(loss_type="dapo", old_logps=1, entropy_coef=0.05, tile_size=5, logit_softcap=2.0, logit_scale=0.7),
 ])
 def test_fp32_out_gemms_match_dense(options, fp32_out_gemms):
     """The CUDA strategy's code path (fold, round, fp32-result GEMMs) gives the fp32 answer at bf16 tolerance."""

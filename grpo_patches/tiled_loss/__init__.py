@@ -45,7 +45,11 @@ def tiled_grpo_loss(
     sampling_logps: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO policy loss of ``softmax((hidden @ weight.T + bias) / temperature)`` at ``labels``.
+    """GRPO policy loss of ``softmax(logits / temperature)`` at ``labels``.
+
+    ``logits = hidden @ weight.T + bias``, then the model's own transforms in the order the HF
+    models apply them: ``* logit_scale``, then ``logit_softcap * tanh(logits / logit_softcap)``;
+    the temperature division comes last (TRL divides the model's logits).
 
     :param hidden: ``[B, T, H]`` or ``[N, H]`` (fp32, bf16, fp16 or fp64) hidden states
         aligned with ``labels`` (already shifted: ``hidden[t]`` predicts ``labels[t]``).
@@ -75,7 +79,10 @@ def tiled_grpo_loss(
         ``importance_sampling_level`` (token/sequence), ``log_ratio_clamp``,
         ``off_policy_mask_threshold``, ``beta`` (KL coefficient, 0), ``kl_estimator``
         (k1/k2/k3), ``kl_clamp``, ``kl_ratio_correction`` (TRL use_bias_correction_kl),
-        ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``tile_size``,
+        ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``logit_scale``
+        (multiplier of the raw logits, 1.0: Cohere's ``logit_scale``, Granite's
+        ``1 / logits_scaling``), ``logit_softcap`` (Gemma-2's ``final_logit_softcapping``;
+        ``None``: off), ``tile_size``,
         ``tile_memory_bytes`` (fp32 logits-tile budget, 512 MiB; the default tile is also capped at 512 tokens), ``return_logps``,
         ``return_entropy``, ``return_token_metrics``, ``retain_grads`` (keep the stored
         gradients so that backward may run more than once, e.g. gradcheck; costs a copy).

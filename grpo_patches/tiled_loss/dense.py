@@ -50,7 +50,13 @@ def dense_grpo_loss(
     )
     acc = batch.mask.dtype
     h2d = hidden.reshape(-1, hidden.shape[-1])
-    logits = torch.nn.functional.linear(h2d, weight, bias).to(acc) / temperature
+    logits = torch.nn.functional.linear(h2d, weight, bias).to(acc)
+    # the model's own logit transforms (Cohere/Granite scale, then Gemma-2's softcap), then TRL's temperature
+    if opts.logit_scale != 1.0:
+        logits = logits * opts.logit_scale
+    if opts.logit_softcap is not None:
+        logits = torch.tanh(logits / opts.logit_softcap) * opts.logit_softcap
+    logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logps = log_probs.gather(1, batch.labels[:, None]).squeeze(1)
     entropy = None

@@ -25,6 +25,7 @@ from grpo_patches.tiled_loss.tile_math import (
     compute_logits,
     explicit_logit_grad,
     fold_onehot_,
+    label_chain,
     softmax_stats,
 )
 from grpo_patches.tiled_loss.tiling import choose_tile_size, tile_bounds
@@ -101,9 +102,10 @@ def run_tiles(
     rounds = grads is not None and head.rounds_logit_grad
     lp_buf = torch.empty(max_rows, vocab, dtype=weight.dtype, device=hidden.device) if rounds else None
     entropy_grad = grads is not None and opts.entropy_coef != 0.0
-    # what the logits buffer must hold for the gradient: log p for the entropy term, else p
-    leave = "any" if grads is None else "log_probs" if entropy_grad else "probs"
-    inv_t = 1.0 / opts.temperature
+    softcap_grad = grads is not None and opts.logit_softcap is not None
+    # what the logits buffer must hold for the gradient: the softcap's tanh, log p for the
+    # entropy term, else p
+    leave = "any" if grads is None else "tanh" if softcap_grad else "log_probs" if entropy_grad else "probs"
 
     for start, end in bounds:
         n = end - start
@@ -112,8 +114,8 @@ def run_tiles(
         h_tile = hidden[token_index]
         labels = batch.labels[idx]
         z = logits_buf[:n]
-        compute_logits(z, h_tile, head, opts)
-        stats = softmax_stats(z, labels, opts.needs_entropy, leave=leave)
+        compute_logits(z, h_tile, head, opts, keep_tanh=softcap_grad)
+        stats = softmax_stats(z, labels, opts.needs_entropy, opts, leave=leave)
 
         inputs = _tile_inputs(batch, idx)
         with torch.enable_grad():
@@ -133,12 +135,12 @@ def run_tiles(
         if grads is not None:
             g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
             g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
-            onehot = g * inv_t
-            if entropy_grad or rounds:
+            onehot = g * label_chain(stats, opts)
+            if entropy_grad or softcap_grad or rounds:
                 explicit_logit_grad(z, stats, g, g_entropy, leave, opts)
                 row_scale = None
             else:
-                row_scale = -g * inv_t
+                row_scale = -g * opts.logit_chain
             dense_lp = None
             if rounds:
                 fold_onehot_(z, labels, onehot)

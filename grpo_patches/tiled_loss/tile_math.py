@@ -1,12 +1,14 @@
 """The [tile, vocab] work of one tile: logits, log-softmax statistics, and the gradient GEMMs.
 
 The logits buffer is reused for every tile and modified in place (log-softmax, then exp:
-two fused passes). With ``z = (h W^T + b) / T``, ``p = softmax(z)`` and ``g = dL/dlogp``,
-the gradient of the loss w.r.t. the raw logits is ``(g * onehot(y) - g * p) / T`` (plus an
-entropy term). Without an entropy term the dense part ``-g p / T = diag(s) p`` with
-``s = -g / T`` is applied as a row scale on the small side of the GEMMs (``[tile, H]``), so no
-extra pass over the logits is needed; the one-hot part is a gather / index_add of ``tile``
-rows. The GEMMs themselves, per input dtype, are :mod:`~grpo_patches.tiled_loss.gemm`'s.
+two fused passes). The logits are ``z = c(r) / T`` of the raw lm-head output ``r = h W^T + b``,
+with ``c(r) = s r`` or, with a softcap, ``c(r) = cap tanh(s r / cap)`` (``s = logit_scale``).
+With ``p = softmax(z)`` and ``g = dL/dlogp``, the gradient w.r.t. ``r`` is
+``(g onehot(y) - g p) * k`` (plus an entropy term), ``k = s / T`` times ``1 - tanh^2`` with a
+softcap. Without softcap or entropy term, the dense part ``-g k p = diag(-g k) p`` is applied
+as a row scale on the small side of the GEMMs (``[tile, H]``), so no extra pass over the logits
+is needed; the one-hot part is a gather / index_add of ``tile`` rows. The GEMMs themselves, per
+input dtype, are :mod:`~grpo_patches.tiled_loss.gemm`'s.
 """
 
 from __future__ import annotations
@@ -26,11 +28,25 @@ ROW_BLOCK = 32
 class TileStats:
     logps: torch.Tensor  # [n] log-prob of each label
     entropy: torch.Tensor | None  # [n]
+    lse: torch.Tensor | None = None  # [n] log-sum-exp of each row's logits (softcap: the buffer keeps tanh)
+    label_tanh: torch.Tensor | None = None  # [n] the softcap's tanh at each label (same case)
 
 
-def compute_logits(out: torch.Tensor, hidden: torch.Tensor, head: LmHead, opts: LossOptions) -> None:
-    """``out[:] = (hidden @ W.T + b) / T`` in out's (accumulation) dtype."""
-    head.logits(out, hidden, 1.0 / opts.temperature)
+def compute_logits(out: torch.Tensor, hidden: torch.Tensor, head: LmHead, opts: LossOptions, keep_tanh: bool) -> None:
+    """``out[:] = c(hidden @ W.T + b) / T`` (module docstring) in out's (accumulation) dtype.
+
+    With a softcap and ``keep_tanh``, ``out`` holds ``tanh(s r / cap)`` instead (the logits are
+    that times ``cap / T``): the gradient's ``1 - tanh^2`` is then exact, where recovering tanh
+    from rounded logits loses ulps that ``1 / (1 - tanh^2)`` amplifies at saturated logits.
+    """
+    if opts.logit_softcap is None:
+        head.logits(out, hidden, opts.logit_scale / opts.temperature)
+        return
+    cap = opts.logit_softcap
+    head.logits(out, hidden, opts.logit_scale / cap)
+    out.tanh_()
+    if not keep_tanh:
+        out.mul_(cap / opts.temperature)
 
 
 def _log_softmax_(z: torch.Tensor) -> None:
@@ -46,10 +62,33 @@ def _log_softmax_(z: torch.Tensor) -> None:
             blk.copy_(torch.log_softmax(blk, 1))
 
 
-def softmax_stats(z: torch.Tensor, labels: torch.Tensor, need_entropy: bool, leave: str = "probs") -> TileStats:
-    """Log-prob of the labels (and entropy) of logits ``z``, leaving ``z`` holding ``leave``:
-    ``"probs"`` (``p``), ``"log_probs"`` (``log p``) or ``"any"`` (cheapest: no gradient follows).
+def _stats_from_tanh(t: torch.Tensor, labels: torch.Tensor, need_entropy: bool, opts: LossOptions) -> TileStats:
+    """Statistics of the logits ``t * cap / T`` without overwriting ``t`` (``ROW_BLOCK x V`` of scratch)."""
+    to_logit = opts.logit_softcap / opts.temperature
+    lse = torch.empty(t.shape[0], dtype=t.dtype, device=t.device)
+    entropy = torch.empty_like(lse) if need_entropy else None
+    for r0 in range(0, t.shape[0], ROW_BLOCK):
+        sl = slice(r0, r0 + ROW_BLOCK)
+        z = t[sl] * to_logit
+        lse[sl] = torch.logsumexp(z, 1)
+        if need_entropy:
+            log_p = z.sub_(lse[sl, None])
+            entropy[sl] = -torch.bmm(torch.exp(log_p).unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)
+    label_tanh = t.gather(1, labels[:, None]).squeeze(1)
+    return TileStats(logps=label_tanh * to_logit - lse, entropy=entropy, lse=lse, label_tanh=label_tanh)
+
+
+def softmax_stats(
+    z: torch.Tensor, labels: torch.Tensor, need_entropy: bool, opts: LossOptions, leave: str = "probs"
+) -> TileStats:
+    """Log-prob of the labels (and entropy) of logits ``z``, leaving ``z`` holding ``leave``.
+
+    ``leave``: ``"probs"`` (``p``), ``"log_probs"`` (``log p``), ``"any"`` (cheapest: no
+    gradient follows) or ``"tanh"``: ``z`` held the softcap's tanh (:func:`compute_logits`
+    with ``keep_tanh``) and keeps it; the stats then carry each row's log-sum-exp.
     """
+    if leave == "tanh":
+        return _stats_from_tanh(z, labels, need_entropy, opts)
     _log_softmax_(z)
     logps = z.gather(1, labels[:, None]).squeeze(1)
     entropy = None
@@ -66,24 +105,37 @@ def softmax_stats(z: torch.Tensor, labels: torch.Tensor, need_entropy: bool, lea
     return TileStats(logps=logps, entropy=entropy)
 
 
+def label_chain(stats: TileStats, opts: LossOptions) -> torch.Tensor | float:
+    """d z_y / d r_y of each row's label: ``s / T``, times ``1 - tanh^2`` at the label with a softcap."""
+    if opts.logit_softcap is None:
+        return opts.logit_chain
+    return opts.logit_chain * (1 - stats.label_tanh * stats.label_tanh)
+
+
 def explicit_logit_grad(
     z: torch.Tensor, stats: TileStats, g: torch.Tensor, g_entropy: torch.Tensor | None, holds: str, opts: LossOptions
 ) -> None:
     """Overwrite ``z`` with the dense part of dL/dr (everything but the one-hot term), in place.
 
-    ``z`` holds (``holds``) ``"probs"`` (no entropy term) or ``"log_probs"`` (the entropy
-    gradient dH/dz_j = -p_j (log p_j + H) needs them).
+    ``z`` holds (``holds``) ``"probs"`` (no entropy term, no softcap), ``"log_probs"`` (the
+    entropy gradient dH/dz_j = -p_j (log p_j + H) needs them) or, with a softcap, ``"tanh"``
+    (``log p = tanh * cap / T - lse``, and the chain factor ``1 - tanh^2``).
     """
-    chain = 1.0 / opts.temperature
+    chain = opts.logit_chain
     if holds == "probs":
         z.mul_((-g * chain)[:, None])
         return
     h = (g_entropy if g_entropy is not None else torch.zeros_like(g)) * chain
-    alpha = -g * chain - h * stats.entropy
+    alpha = -g * chain if stats.entropy is None else (-g * chain - h * stats.entropy)
     for r0 in range(0, z.shape[0], ROW_BLOCK):
         sl = slice(r0, r0 + ROW_BLOCK)
         blk = z[sl]
-        p = torch.exp(blk)
+        if holds == "tanh":
+            dtanh = torch.mul(blk, blk).neg_().add_(1)  # 1 - tanh^2
+            blk.mul_(opts.logit_softcap / opts.temperature).sub_(stats.lse[sl, None])  # log p
+            p = torch.exp(blk).mul_(dtanh)
+        else:
+            p = torch.exp(blk)
         blk.mul_(-h[sl, None]).add_(alpha[sl, None]).mul_(p)
 
 
@@ -114,7 +166,7 @@ def apply_tile_grads(
     """Accumulate one tile's gradients: dL/dr = diag(row_scale) dense + onehot_coef * onehot(labels).
 
     ``dense`` is E (with ``row_scale``) or the explicit dense part (``row_scale=None``);
-    ``onehot_coef`` is ``g / T``, ``None`` once folded into ``dense``
+    ``onehot_coef`` is ``g`` times the label's chain factor, ``None`` once folded into ``dense``
     (then ``dense_lp`` is ``dense`` rounded to the input dtype, the GEMM operand).
     """
     acc = dense.dtype
