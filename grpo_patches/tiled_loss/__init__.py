@@ -3,7 +3,8 @@
 :func:`tiled_grpo_loss` projects hidden states through the lm-head weight one tile of
 tokens at a time, computes the GRPO objective and its gradients for that tile, and keeps
 only one ``[tile, vocab]`` fp32 logits buffer alive. :func:`dense_grpo_loss` is the plain
-reference with the same signature.
+reference with the same signature. :func:`tiled_token_stats` is the no-grad tiled pass that
+returns per-token log-probs and entropies (e.g. for TRL's high-entropy token mask).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grpo_patches.tiled_loss.function import LoopResult, TiledGRPOLossFunction
 from grpo_patches.tiled_loss.inputs import flatten_inputs
 from grpo_patches.tiled_loss.metrics import build_metrics
 from grpo_patches.tiled_loss.options import AGGREGATIONS, OBJECTIVES, TRL_LOSS_TYPES, LossOptions, resolve_options
+from grpo_patches.tiled_loss.token_stats import tiled_token_stats
 from grpo_patches.tiled_loss.zero3 import gathered_weight
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "dense_grpo_loss",
     "resolve_options",
     "tiled_grpo_loss",
+    "tiled_token_stats",
 ]
 
 

@@ -46,21 +46,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def flatten_inputs(
+def check_head_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    advantages: torch.Tensor,
     mask: torch.Tensor | None,
-    *,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    sampling_logps: torch.Tensor | None,
     bias: torch.Tensor | None,
-    opts: LossOptions,
-) -> FlatBatch:
-    """Check shapes and build the flat batch with its aggregation weights."""
+) -> torch.Tensor:
+    """Check the lm-head inputs' shapes and dtypes; returns the mask (all ones when ``None``)."""
     if hidden.dim() not in (2, 3):
         raise OptionError(f"hidden must be [N, H] or [B, T, H]; got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -78,6 +71,26 @@ def flatten_inputs(
         mask = torch.ones(shape, device=hidden.device)
     if mask.shape != shape:
         raise OptionError(f"mask has shape {tuple(mask.shape)}; expected {tuple(shape)}")
+    return mask
+
+
+def flatten_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    sampling_logps: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    opts: LossOptions,
+) -> FlatBatch:
+    """Check shapes and build the flat batch with its aggregation weights."""
+    mask = check_head_inputs(hidden, weight, labels, mask, bias)
+    shape = hidden.shape[:-1]
     acc = accumulation_dtype(hidden.dtype)
     mask = mask.detach().to(acc)
     advantages = torch.as_tensor(advantages, device=hidden.device).detach().to(acc)
