@@ -46,6 +46,8 @@ def tiled_grpo_loss(
     temperature: float = 1.0,
     is_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    policy_token_mask: torch.Tensor | None = None,
+    entropy_token_mask: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO policy loss of ``softmax(logits / temperature)`` at ``labels``.
@@ -71,6 +73,12 @@ def tiled_grpo_loss(
         folds them into its sequence ratio instead, as TRL does.
     :param sampling_logps: generator log-probs for the off-policy sequence mask
         (default ``old_logps``).
+    :param policy_token_mask: per-token multiplier of the policy term (not the KL term), e.g.
+        TRL's high-entropy mask (``top_entropy_quantile < 1``). Only a multiplier: every
+        aggregation's denominators still come from ``mask`` (and ``normalizer``), and metrics
+        stay means over ``mask``.
+    :param entropy_token_mask: the same for the entropy-bonus term; its denominators come from
+        ``mask`` too, so pass ``entropy_normalizer`` for TRL's ``sum(mask * entropy_mask)``.
     :param options: keyword options, see :class:`~grpo_patches.tiled_loss.options.LossOptions`:
         ``loss_type`` (TRL preset, default ``"dapo"``; ``None`` for none), ``objective``
         (clip/cispo/sapo/vespo), ``aggregation`` (token-mean, seq-mean-token-mean,
@@ -96,24 +104,22 @@ def tiled_grpo_loss(
     """
     opts = resolve_options(temperature=temperature, **options)
     with gathered_weight(weight, bias):  # ZeRO-3: the full weight for this forward only
-        return _tiled_loss(hidden, weight, labels, advantages, mask, old_logps, ref_logps, bias,
-                           is_weights, sampling_logps, opts)
+        return _tiled_loss(hidden, weight, labels, advantages, mask, opts, old_logps=old_logps,
+                           ref_logps=ref_logps, bias=bias, is_weights=is_weights, sampling_logps=sampling_logps,
+                           policy_token_mask=policy_token_mask, entropy_token_mask=entropy_token_mask)
 
 
-def _tiled_loss(hidden, weight, labels, advantages, mask, old_logps, ref_logps, bias, is_weights,
-                sampling_logps, opts: LossOptions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _tiled_loss(hidden, weight, labels, advantages, mask, opts: LossOptions, *, bias,
+                **per_token: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     batch = flatten_inputs(
         hidden,
         weight,
         labels,
         advantages,
         mask,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        is_weights=is_weights,
-        sampling_logps=sampling_logps,
         bias=bias,
         opts=opts,
+        **per_token,
     )
     grad_on = torch.is_grad_enabled()
     needs = (

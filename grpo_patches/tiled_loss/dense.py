@@ -31,6 +31,8 @@ def dense_grpo_loss(
     temperature: float = 1.0,
     is_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    policy_token_mask: torch.Tensor | None = None,
+    entropy_token_mask: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dense reference of :func:`~grpo_patches.tiled_loss.tiled_grpo_loss` (same arguments)."""
@@ -45,6 +47,8 @@ def dense_grpo_loss(
         ref_logps=ref_logps,
         is_weights=is_weights,
         sampling_logps=sampling_logps,
+        policy_token_mask=policy_token_mask,
+        entropy_token_mask=entropy_token_mask,
         bias=bias,
         opts=opts,
     )
@@ -70,6 +74,7 @@ def dense_grpo_loss(
         ref_logps=batch.ref_logps,
         is_weights=batch.is_weights,
         sampling_logps=batch.sampling_logps,
+        policy_token_mask=batch.policy_token_mask,
         row=batch.row,
         n_rows=batch.n_rows,
     )
@@ -82,7 +87,8 @@ def dense_grpo_loss(
             agg, norm = opts.aggregation, opts.normalizer
         else:
             agg, norm = opts.entropy_aggregation, opts.entropy_normalizer
-        loss = loss - opts.entropy_coef * aggregate_dense(entropy.reshape(shape), mask, agg, norm, opts)
+        bonus = entropy if entropy_token_mask is None else entropy * entropy_token_mask.reshape(-1).to(acc)
+        loss = loss - opts.entropy_coef * aggregate_dense(bonus.reshape(shape), mask, agg, norm, opts)
 
     m = batch.mask
     values = {

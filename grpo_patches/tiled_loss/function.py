@@ -59,6 +59,7 @@ def _tile_inputs(batch: FlatBatch, idx: torch.Tensor) -> TokenInputs:
         ref_logps=_take(batch.ref_logps, idx),
         is_weights=_take(batch.is_weights, idx),
         sampling_logps=_take(batch.sampling_logps, idx),
+        policy_token_mask=_take(batch.policy_token_mask, idx),
         row=row,
         n_rows=n_rows,
     )

@@ -20,11 +20,12 @@ class FlatBatch:
     mask: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor  # aggregation weight of each token's policy loss
-    entropy_weights: torch.Tensor | None
+    entropy_weights: torch.Tensor | None  # aggregation weight of each token's entropy bonus (times entropy_token_mask)
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None
     is_weights: torch.Tensor | None
     sampling_logps: torch.Tensor | None
+    policy_token_mask: torch.Tensor | None
     row: torch.Tensor | None  # row of each token ([B, T] inputs only)
     n_rows: int
     token_shape: torch.Size  # shape of labels, for per-token outputs
@@ -85,6 +86,8 @@ def flatten_inputs(
     ref_logps: torch.Tensor | None,
     is_weights: torch.Tensor | None,
     sampling_logps: torch.Tensor | None,
+    policy_token_mask: torch.Tensor | None = None,
+    entropy_token_mask: torch.Tensor | None = None,
     bias: torch.Tensor | None,
     opts: LossOptions,
 ) -> FlatBatch:
@@ -118,6 +121,11 @@ def flatten_inputs(
         else:
             entropy_weights = token_weights(mask, opts.entropy_aggregation, opts.entropy_normalizer, opts)
             entropy_weights = entropy_weights.reshape(-1)
+        entropy_mask = _per_token("entropy_token_mask", entropy_token_mask, shape, acc)
+        if entropy_mask is not None:  # a multiplier only: the denominators stay the mask's
+            entropy_weights = entropy_weights * entropy_mask
+    else:
+        _per_token("entropy_token_mask", entropy_token_mask, shape, acc)  # checked, unused without the bonus
     row = None
     n_rows = 0
     if hidden.dim() == 3:
@@ -135,6 +143,7 @@ def flatten_inputs(
         ref_logps=_per_token("ref_logps", ref_logps, shape, acc),
         is_weights=_per_token("is_weights", is_weights, shape, acc),
         sampling_logps=_per_token("sampling_logps", sampling_logps, shape, acc),
+        policy_token_mask=_per_token("policy_token_mask", policy_token_mask, shape, acc),
         row=row,
         n_rows=n_rows,
         token_shape=shape,
