@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_patches.tiled_loss import dense_grpo_loss, gemm, tiled_grpo_loss
+from grpo_patches.tiled_loss import dense_grpo_loss, gemm, tiled_grpo_loss, tiled_token_stats
 from tests.tiled_loss_helpers import make_case, max_rel, run
 
 OPTIONS = dict(loss_type="dapo", temperature=0.9, tile_size=64)
@@ -82,3 +82,17 @@ def test_fp32_out_gemms_match_dense(options, fp32_out_gemms):
         assert tiled[2][name].dtype == torch.bfloat16
         assert max_rel(tiled[2][name], grad) <= 1e-2, name
     assert max_rel(tiled[0], exact[0]) <= 1e-5  # the loss sees fp32 logits of the bf16 values: exact
+
+
+def test_an_enclosing_autocast_changes_nothing():
+    """Frameworks call the loss from model code under autocast: the tile loop picks its own precision."""
+    case = make_case(B=4, T=16, H=32, V=301, seed=8)  # a partly masked batch (index_copy path)
+    options = dict(loss_type="grpo", old_logps=1, entropy_coef=0.01, tile_size=7, return_logps=True)
+    plain = run(tiled_grpo_loss, case, **options)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = run(tiled_grpo_loss, case, **options)
+        stats = tiled_token_stats(case["hidden"], case["weight"], case["labels"], case["mask"], bias=case["bias"])
+    assert torch.equal(inside[0], plain[0]) and torch.equal(inside[1]["logps"], plain[1]["logps"])
+    assert all(torch.equal(inside[2][name], plain[2][name]) for name in plain[2])
+    assert torch.equal(stats[0], tiled_token_stats(case["hidden"], case["weight"], case["labels"], case["mask"],
+                                                   bias=case["bias"])[0])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_patches.tiled_loss.gemm import LmHead
+from grpo_patches.tiled_loss.gemm import LmHead, without_autocast
 from grpo_patches.tiled_loss.inputs import FlatBatch
 from grpo_patches.tiled_loss.objective import TokenInputs, token_objective
 from grpo_patches.tiled_loss.options import LossOptions
@@ -192,7 +192,8 @@ class TiledGRPOLossFunction(torch.autograd.Function):
                 bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
             )
         batch.hidden = hidden
-        loss = run_tiles(batch, weight, bias, opts, grads, result)
+        with without_autocast(hidden.device):
+            loss = run_tiles(batch, weight, bias, opts, grads, result)
         if grads is not None and grads.weight is not None and not grads.weight_written:
             grads.weight.zero_()  # no unmasked token: the gradient is zero
         ctx.grads = grads

@@ -28,6 +28,12 @@ NATIVE, UPCAST, FP32_OUT = "native", "upcast", "fp32_out"
 UPCAST_BLOCK_BYTES = 16 * 2**20
 
 
+def without_autocast(device: torch.device):
+    """The tile loop picks each GEMM's precision itself: an enclosing autocast (TRL, verl and NeMo
+    run model code under one) would turn some of its matmuls into bf16 ones and not others."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def gemm_mode(dtype: torch.dtype, device: torch.device) -> str:
     """How the tile GEMMs treat inputs of ``dtype`` on ``device`` (see the module docstring)."""
     if dtype in (torch.float32, torch.float64):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.tiled_loss.gemm import LmHead
+from grpo_patches.tiled_loss.gemm import LmHead, without_autocast
 from grpo_patches.tiled_loss.inputs import accumulation_dtype, check_head_inputs
 from grpo_patches.tiled_loss.options import resolve_options
 from grpo_patches.tiled_loss.tile_math import compute_logits, softmax_stats
@@ -54,7 +54,7 @@ def tiled_token_stats(
         return logps.reshape(shape), entropy.reshape(shape)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()
-    with gathered_weight(weight, bias):  # ZeRO-3: the full weight for this pass only
+    with gathered_weight(weight, bias), without_autocast(hidden.device):  # ZeRO-3: the full weight, this pass only
         head = LmHead.for_inputs(weight, bias, acc)
         buf = torch.empty(max(e - s for s, e in bounds), weight.shape[0], dtype=acc, device=hidden.device)
         for start, end in bounds:
