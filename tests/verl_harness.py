@@ -128,6 +128,7 @@ class Run:
     forwards: int = 0
     grad_rows: int = 0
     nograd_rows: int = 0
+    status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] right after the update
 
 
 def count_forwards(model: torch.nn.Module, run: Run) -> None:
@@ -143,12 +144,20 @@ def count_forwards(model: torch.nn.Module, run: Run) -> None:
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
+def verl_status() -> dict:
+    import grpo_patches
+
+    return grpo_patches.status()["verl"]
+
+
 def patches(options: dict | None) -> None:
     """Enable the verl adapter with ``options`` (``None``: disabled, verl's own code)."""
     import grpo_patches
+    from grpo_patches import savings
 
     grpo_patches.disable("verl")
     if options is not None:
+        savings.reset("verl")  # each run's status() shows its own savings
         grpo_patches.enable("verl", **options)
 
 
@@ -192,10 +201,11 @@ def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, wo
 
     actor._optimizer_step = recording_step
     batch = rank_rows(make_batch(zero_rows=ZERO_ROWS[zero], world=world), rank)
-    batch.update(batch_extra or {})
+    batch.update({k: v[: len(batch["advantages"])] for k, v in (batch_extra or {}).items()})
     data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
     try:
         run.metrics = actor.update_policy(data)
+        run.status = verl_status()
     finally:
         patches(None)
     return run
@@ -214,7 +224,7 @@ def model_dir(tmp_root: str) -> str:
 
 
 def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
-    import verl_cpu_shim
+    from tests import verl_cpu_shim
 
     verl_cpu_shim.install()  # before anything asks verl for its platform
     init_pg(rank, world, port)
@@ -267,7 +277,7 @@ class EngineWorker:
             self.current.nograd_rows += rows
 
     def run(self, options: dict | None, *, agg="token-mean", n_mini=1, epochs=1, zero="interleaved", rank=0,
-            world=1, loss_mode="vanilla", **actor_extra) -> Run:
+            world=1, loss_mode="vanilla", batch_extra: dict | None = None, **actor_extra) -> Run:
         from functools import partial
 
         from verl.workers.config import FSDPActorConfig
@@ -279,11 +289,12 @@ class EngineWorker:
                                 policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False,
                                 ppo_micro_batch_size_per_gpu=self.mbs, **actor_extra)
         self.worker.set_loss_fn(partial(ppo_loss, config=actor))  # what ActorRolloutRefWorker.init_model does
-        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero)
+        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra)
         patches(options)
         self.current = run = Run()
         try:
             out = self.worker.train_mini_batch(td)
+            run.status = verl_status()
         finally:
             self.current = None
             patches(None)
@@ -300,7 +311,7 @@ def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved
     from verl.workers.utils.padding import left_right_2_no_padding
 
     batch = rank_rows(make_batch(zero_rows=ZERO_ROWS[zero], world=world), rank)
-    batch.update(extra or {})
+    batch.update({k: v[: len(batch["advantages"])] for k, v in (extra or {}).items()})
     td = left_right_2_no_padding(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}).to_tensordict())
     tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=mini_rows * world,
                          mini_batch_size=mini_rows * world, epochs=epochs, seed=1,

@@ -39,6 +39,8 @@ def filter_mode(owner: Any, config: Any, extra_problems: tuple[str, ...] = ()) -
             problems.insert(0, str(exc))
         if problems:
             text = "; ".join(problems)
+            if "pass zero_advantage_filter=False" not in text:
+                text += ". Change it, or pass zero_advantage_filter=False (or 'auto') to grpo_patches.enable(...)"
             if api.strict(FRAMEWORK, "zero_advantage_filter"):
                 raise IncompatibleOptionsError(f"zero_advantage_filter=True: {text}") from None
             api.note(FRAMEWORK, "zero_advantage_filter", f"off: {text}", owner=owner)
