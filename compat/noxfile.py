@@ -84,6 +84,8 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     installed = session.run("python", "-m", "pip", "list", "--format=json", silent=True, env=env) or "[]"
     versions = {p["name"].lower(): p["version"] for p in json.loads(installed)}
     session.chdir(ROOT)
+    if "--install-only" in sys.argv:  # preparing the venv (e.g. for benchmarks/frameworks.py): no result
+        return
     _record(cell, tier, status="ran", installed={k: versions.get(k) for k in ("torch", "transformers", cell.framework)})
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                 *cell.tests_for(tier), *session.posargs, env=env, external=False)

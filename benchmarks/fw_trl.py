@@ -1,0 +1,59 @@
+"""The cross-framework workload in TRL: the real ``GRPOTrainer`` with TRL's default schedule.
+
+``steps_per_generation`` = ``gradient_accumulation_steps`` (TRL's default): one generation per
+optimizer step, so TRL itself computes no old log-probs, and ``beta=0`` (no reference model):
+the only trainer-side saving left is the zero-advantage filter. Times come from
+:class:`grpo_patches.step_timer.StepTimer` (installed beneath the patches, so a pass the
+patches skip costs nothing there); generation (sampling, rewards, advantages) is apart.
+Called by ``_framework_worker.py``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from typing import Any
+
+import workload
+
+
+def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    import torch
+    from importlib import metadata
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_patches
+    from grpo_patches import savings, tiny_model
+    from grpo_patches.step_timer import StepTimer
+
+    timer = StepTimer()
+    timer.install(GRPOTrainer)  # beneath the patches: counts only the forwards that really run
+    if patched:
+        grpo_patches.enable("trl")  # the defaults
+    tmp = tempfile.mkdtemp(prefix="grpo_bench_trl_")
+    path = tiny_model.tiny_model_path(tmp, seed=spec["seed"], hidden_size=spec["hidden"], num_layers=spec["layers"])
+    rows = spec["prompts"] * spec["generations"]
+    config = GRPOConfig(
+        output_dir=tmp, max_steps=spec["steps"], per_device_train_batch_size=spec["micro_rows"],
+        gradient_accumulation_steps=rows // spec["micro_rows"], num_generations=spec["generations"],
+        max_completion_length=spec["completion_tokens"], beta=0.0, learning_rate=spec["lr"], optim="sgd",
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=spec["seed"], use_cpu=True,
+        bf16=False, report_to="none", disable_tqdm=True,
+    )
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [workload.reward(spec, p, c) for p, c in zip(prompts, completions)]
+
+    from datasets import Dataset
+
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=config, processing_class=tiny_model.load_tokenizer(path),
+                          train_dataset=Dataset.from_dict({"prompt": workload.prompt_texts(spec)}))
+    timer.attach(trainer)
+    trainer.train()
+    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, weights)
+    saved = savings.totals("trl") if patched else {}
+    return {"version": metadata.version("trl"), "line": "GRPOTrainer", "steps": timer.steps,
+            "old_logprob_passes": timer.passes["old_logprob_passes"], "reference_passes": timer.passes["reference_passes"],
+            "rows_dropped": int(saved.get("rows_dropped", 0)), "rows_total": rows * spec["steps"]}
