@@ -59,8 +59,12 @@ def find_python(name: str, given: dict[str, str]) -> tuple[str | None, str]:
         candidates.append((sys.executable, "this interpreter"))
     why = "no interpreter (give --python, $GRPO_BENCH_PYTHON_<NAME>, or make its compat venv)"
     for python, origin in candidates:
-        probe = subprocess.run([python, "-c", f"import grpo_patches, {FRAMEWORKS[name]}"], capture_output=True,
-                               text=True, env=_env(), cwd=HERE)
+        try:
+            probe = subprocess.run([python, "-c", f"import grpo_patches, {FRAMEWORKS[name]}"], capture_output=True,
+                                   text=True, env=_env(), cwd=HERE)
+        except OSError as e:
+            why = f"{python} ({origin}): {e.strerror}"
+            continue
         if probe.returncode == 0:
             return python, origin
         why = f"{python} ({origin}): {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'fails'}"
