@@ -10,6 +10,8 @@ the line whose internals it wraps. Records on one attribute stack in table order
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), placeholders for its readers.
 - old-logprob pass on on-policy updates, 0.7.x legacy worker (:mod:`.old_logprobs`).
+- tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
+  verl's fused-kernel lm-head call with the tiled loss.
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
 reference placeholder and the old-logprob checks see verl's unfiltered batch.
@@ -30,6 +32,8 @@ ENGINE = ">=0.8.0"
 DP_ACTOR = "verl.workers.actor.dp_actor"
 FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+FUSED = "verl.utils.experimental.torch_functional"
+LOSSES = "verl.workers.utils.losses"
 OLD_SKIP = ">=0.7,<0.8"
 #: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes a role mapping: not wrapped).
 _NEED_REFERENCE = (
@@ -43,6 +47,17 @@ _NEED_REFERENCE = (
 
 #: Every patch record of the verl adapter (module, attribute, wrapper, versions, option).
 PATCHES = (
+    # tiled lm-head loss: innermost on _forward_micro_batch (it sees the micro-batch as the other records leave it)
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.tiled_legacy:forward_micro_batch",
+                versions=LEGACY, option="tiled_loss"),
+    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=LEGACY,
+                option="tiled_loss"),
+    PatchTarget(FUSED, "FusedLinearForPPO.forward", f"{_HERE}.tiled:fused_linear_forward", option="tiled_loss"),
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.tiled_engine:forward_step",
+                versions=ENGINE, option="tiled_loss"),
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=ENGINE,
+                option="tiled_loss"),
+    # zero-advantage filter
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.legacy_filter:update_policy",
                 versions=LEGACY, option="zero_advantage_filter"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.legacy_filter:forward_micro_batch",
@@ -69,6 +84,9 @@ PATCHES = (
                 versions=OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
+    # tiled loss: outside the filter on update_policy (verl's on-policy rule counts the unfiltered mini-batches)
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
+                versions=LEGACY, option="tiled_loss"),
 )
 
 ADAPTER = Adapter(name="verl", distribution="verl", supported=">=0.6.1,<0.10", patches=PATCHES)

@@ -31,6 +31,11 @@ MARK = "grpo_patches_old_log_probs_skipped"
 _ENTROPY: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_entropy", default=None)
 
 
+def engine_on_policy(micro: Any) -> bool:
+    """Whether the engine's loss uses the detached current log-probs as old ones for ``micro``."""
+    return False
+
+
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
     from .reference import _get as get
 
