@@ -326,7 +326,8 @@ class EngineWorker:
             self.current.nograd_rows += rows
 
     def run(self, options: dict | None, *, agg="token-mean", n_mini=1, epochs=1, zero="interleaved", rank=0,
-            world=1, loss_mode="vanilla", batch_extra: dict | None = None, **actor_extra) -> Run:
+            world=1, loss_mode="vanilla", batch_extra: dict | None = None, calculate_entropy: bool = False,
+            **actor_extra) -> Run:
         from functools import partial
 
         from verl.workers.config import FSDPActorConfig
@@ -338,7 +339,8 @@ class EngineWorker:
                                 policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False,
                                 ppo_micro_batch_size_per_gpu=self.mbs, **actor_extra)
         self.worker.set_loss_fn(partial(ppo_loss, config=actor))  # what ActorRolloutRefWorker.init_model does
-        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra)
+        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra,
+                          calculate_entropy=calculate_entropy)
         patches(options)
         self.current = run = Run()
         try:
@@ -353,7 +355,25 @@ class EngineWorker:
         return run
 
 
-def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved", extra: dict | None = None):
+_SHARED: dict = {}
+
+
+def shared_worker(*, dynamic: bool = False, fused: bool = False, remove_padding: bool = False) -> "EngineWorker":
+    """One engine worker per kind for the whole process (each build costs seconds): every test
+    module reuses it (the worker resets its weights before each run)."""
+    key = (dynamic, fused, remove_padding)
+    if key not in _SHARED:
+        if "dir" not in _SHARED:
+            import tempfile
+
+            _SHARED["dir"] = tempfile.mkdtemp(prefix="grpo_patches_verl_")
+        _SHARED[key] = EngineWorker(model_dir(_SHARED["dir"], fused=fused), dynamic=dynamic, fused=fused,
+                                    remove_padding=remove_padding)
+    return _SHARED[key]
+
+
+def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved", extra: dict | None = None,
+                 calculate_entropy: bool = False):
     """The v0 trainer's ``update_actor`` input (``RayPPOTrainer._update_actor``), this rank's rows."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
@@ -362,7 +382,7 @@ def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved
     batch = rank_rows(make_batch(zero_rows=ZERO_ROWS[zero], world=world), rank)
     batch.update({k: v[: len(batch["advantages"])] for k, v in (extra or {}).items()})
     td = left_right_2_no_padding(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}).to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=mini_rows * world,
+    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, global_batch_size=mini_rows * world,
                          mini_batch_size=mini_rows * world, epochs=epochs, seed=1,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     return td
