@@ -234,3 +234,99 @@ def test_the_pass_runs_when_something_reads_it(config):
         assert any("computed" in n for c in notes.values() for n in c.values())
         return
     assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
+
+
+# --- the old-logprob pass on the engine line (0.8+: the loss uses the detached current log-probs) ---
+
+ENGINE_OLD_SKIP = V >= Version("0.8")
+
+
+class _EngineGroup:
+    """Stands in for the actor worker group: the real TrainingWorker's forward-only pass, counted."""
+
+    world_size = 1
+
+    def __init__(self, worker):
+        self.worker, self.calls = worker, 0
+
+    def compute_log_prob(self, td):
+        from verl.utils import tensordict_utils as tu
+
+        self.calls += 1
+        from tensordict.tensorclass import NonTensorData
+
+        tu.assign_non_tensor(td, micro_batch_size_per_gpu=4,  # the log-prob pass batches differently
+                             global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()))
+        return self.worker.worker.infer_batch(td)
+
+
+def _engine_old_pass_then_update(options, *, mini=16, mark=None, **config):
+    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update."""
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    worker = h.shared_worker()
+    worker.reset_weights()
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = trainer_config(use_kl_loss=False, mini=mini, **config)
+    trainer.actor_rollout_wg = _EngineGroup(worker)
+    batch = h.make_batch()
+    batch.pop("old_log_probs")
+    data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+    h.patches(options)
+    try:
+        old, mfu = trainer._compute_old_log_prob(data)
+        entropy = agg_loss(loss_mat=old.batch["entropys"], loss_mask=data.batch["response_mask"],
+                           loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
+        old.batch.pop("entropys")
+        data = data.union(old)
+        if mark is not None:
+            data.meta_info[mark] = True
+        td = left_right_2_no_padding(data.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=h.ROWS, mini_batch_size=mini, epochs=1,
+                             seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        run = worker.run_td(td, "as is")
+        run.metrics = {"trainer/actor/entropy": entropy, "trainer/perf/mfu/actor_infer": mfu, **run.metrics}
+    finally:
+        h.patches(None)
+    run.forwards = trainer.actor_rollout_wg.calls
+    return run
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+def test_engine_on_policy_update_skips_the_old_logprob_pass(record_property):
+    ref = _engine_old_pass_then_update(None)
+    got = _engine_old_pass_then_update(SKIP)
+    err = h.max_rel(got, ref)
+    record_property("exact_old_logprob_skip_grad_rel", err)
+    assert err <= 1e-6 and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
+    trainer_entropy = got.metrics["trainer/actor/entropy"]
+    assert trainer_entropy != trainer_entropy  # NaN: the trainer's value came from the placeholder
+    got_mfu = got.metrics["trainer/perf/mfu/actor_infer"]
+    assert got_mfu != got_mfu  # no pass ran: NaN, not a 0
+    (entropy,) = got.metrics["actor/entropy"]  # from the update's own forward, the trainer's aggregation
+    assert entropy == pytest.approx(ref.metrics["trainer/actor/entropy"], rel=1e-6)
+    assert "actor/entropy_loss" not in got.metrics  # verl logs it only when the config asks for entropies
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert torch.allclose(torch.tensor(got.metrics[name], dtype=torch.float64),
+                              torch.tensor(ref.metrics[name], dtype=torch.float64), rtol=1e-5, atol=1e-6), name
+    assert got.status["savings"]["old_logprob_passes_skipped"] == 1
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+@pytest.mark.parametrize("config", [{"mini": 8}, {"use_kl_in_reward": True}])
+def test_engine_pass_runs_when_something_reads_it(config):
+    got = _engine_old_pass_then_update(SKIP, **config)
+    assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
+    assert "actor/entropy" not in got.metrics  # the trainer's pass gives it
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
+    from grpo_patches.adapters.verl.old_logprobs import MARK
+
+    with pytest.raises(RuntimeError, match="not on-policy"):
+        _engine_old_pass_then_update(SKIP, mini=8, mark=MARK)  # two mini-batches, yet marked as skipped

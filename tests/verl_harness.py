@@ -328,29 +328,42 @@ class EngineWorker:
     def run(self, options: dict | None, *, agg="token-mean", n_mini=1, epochs=1, zero="interleaved", rank=0,
             world=1, loss_mode="vanilla", batch_extra: dict | None = None, calculate_entropy: bool = False,
             **actor_extra) -> Run:
+        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra,
+                          calculate_entropy=calculate_entropy)
+        return self.run_td(td, options, agg=agg, loss_mode=loss_mode, **actor_extra)
+
+    def set_loss(self, agg="token-mean", loss_mode="vanilla", **actor_extra) -> None:
+        """``ppo_loss`` with an actor config, as ``ActorRolloutRefWorker.init_model`` sets it."""
         from functools import partial
 
         from verl.workers.config import FSDPActorConfig
         from verl.workers.config.actor import PolicyLossConfig
         from verl.workers.utils.losses import ppo_loss
 
-        self.engine.module.load_state_dict(self.initial)
         actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS, loss_agg_mode=agg,
                                 policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False,
                                 ppo_micro_batch_size_per_gpu=self.mbs, **actor_extra)
-        self.worker.set_loss_fn(partial(ppo_loss, config=actor))  # what ActorRolloutRefWorker.init_model does
-        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra,
-                          calculate_entropy=calculate_entropy)
-        patches(options)
+        self.worker.set_loss_fn(partial(ppo_loss, config=actor))
+
+    def reset_weights(self) -> None:
+        self.engine.module.load_state_dict(self.initial)
+
+    def run_td(self, td, options: dict | None | str, *, agg="token-mean", loss_mode="vanilla", **actor_extra) -> Run:
+        """``train_mini_batch(td)`` from the initial weights; ``options="as is"`` leaves the patches alone."""
+        from verl.utils import tensordict_utils as tu
+
+        self.reset_weights()
+        self.set_loss(agg=agg, loss_mode=loss_mode, **actor_extra)
+        if options != "as is":
+            patches(options)
         self.current = run = Run()
         try:
             out = self.worker.train_mini_batch(td)
             run.status = verl_status()
         finally:
             self.current = None
-            patches(None)
-        from verl.utils import tensordict_utils as tu
-
+            if options != "as is":
+                patches(None)
         run.metrics = tu.get(out, "metrics") if out is not None else {}
         return run
 

@@ -9,7 +9,9 @@ the line whose internals it wraps. Records on one attribute stack in table order
   (:mod:`.engine_filter`).
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), placeholders for its readers.
-- old-logprob pass on on-policy updates, 0.7.x legacy worker (:mod:`.old_logprobs`).
+- old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass; the 0.7.x
+  legacy actor ignores it there; :mod:`.old_logprobs_engine`: the engine's loss uses the
+  detached current log-probs).
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
   verl's fused-kernel lm-head call with the tiled loss.
 
@@ -35,6 +37,9 @@ RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
 FUSED = "verl.utils.experimental.torch_functional"
 LOSSES = "verl.workers.utils.losses"
 OLD_SKIP = ">=0.7,<0.8"
+#: verl versions whose engine worker substitutes the skipped old log-probs (the worker-side records)
+ENGINE_OLD_SKIP = ENGINE
+ENGINE_WORKERS = "verl.workers.engine_workers"
 #: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes a role mapping: not wrapped).
 _NEED_REFERENCE = (
     ("verl.trainer.ppo.utils", ">=0.7"),
@@ -79,7 +84,15 @@ PATCHES = (
                 versions=ENGINE, option="logprob_skip"),
     # old-logprob pass on on-policy updates (0.7's legacy actor ignores it there)
     PatchTarget(RAY_TRAINER, "RayPPOTrainer._compute_old_log_prob", f"{_HERE}.old_logprobs:compute_old_log_prob",
-                versions=OLD_SKIP, option="logprob_skip"),
+                versions=">=0.7", option="logprob_skip"),
+    PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_old_log_prob",
+                f"{_HERE}.old_logprobs:compute_old_log_prob_v1", versions=">=0.9", option="logprob_skip"),
+    PatchTarget(ENGINE_WORKERS, "TrainingWorker.train_mini_batch", f"{_HERE}.old_logprobs_engine:train_mini_batch",
+                versions=ENGINE_OLD_SKIP, option="logprob_skip"),
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.old_logprobs_engine:forward_step",
+                versions=ENGINE_OLD_SKIP, option="logprob_skip"),
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.old_logprobs_engine:get_policy_loss_fn",
+                versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs:update_policy",
                 versions=OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs:forward_micro_batch",
