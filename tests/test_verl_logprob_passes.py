@@ -45,7 +45,7 @@ def trainer_config(use_kl_loss=True, kl_loss_coef=0.0, use_kl_in_reward=False, k
         "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss, "kl_loss_coef": kl_loss_coef,
                                         "ppo_mini_batch_size": mini, "ppo_epochs": epochs,
                                         "loss_agg_mode": "token-mean", "loss_scale_factor": None},
-                              "rollout": {"n": n}},
+                              "rollout": {"n": n, "temperature": 1.0}},
         "algorithm": {"use_kl_in_reward": use_kl_in_reward, "kl_ctrl": {"type": kl_ctrl, "kl_coef": kl_coef}},
     })
 
@@ -330,3 +330,62 @@ def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
 
     with pytest.raises(RuntimeError, match="not on-policy"):
         _engine_old_pass_then_update(SKIP, mini=8, mark=MARK)  # two mini-batches, yet marked as skipped
+
+
+class _FakeTransferQueue:
+    """The two TransferQueue calls the v1 trainer's old-logprob step makes, on an in-memory store."""
+
+    def __init__(self, fields):
+        self.fields = fields
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        from tensordict import TensorDict
+
+        return TensorDict({k: self.fields[k] for k in select_fields}, batch_size=[len(keys)])
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        from transfer_queue import KVBatchMeta
+
+        self.fields.update(dict(fields.items()))
+        return KVBatchMeta(keys=list(keys), partition_id=partition_id, tags=[{} for _ in keys])
+
+
+@pytest.mark.skipif(V < Version("0.9"), reason="the v1 (TransferQueue) trainer is 0.9's")
+@pytest.mark.parametrize("config,skipped", [({}, True), ({"mini": 8}, False), ({"use_kl_in_reward": True}, False)])
+def test_v1_trainer_skips_the_pass_into_a_placeholder(monkeypatch, config, skipped):
+    pytest.importorskip("transfer_queue")
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from grpo_patches.adapters.verl.old_logprobs import MARK
+
+    mask = h.make_batch()["response_mask"]
+    store = _FakeTransferQueue({"response_mask": mask})
+    monkeypatch.setattr(trainer_base, "tq", store)
+
+    class PassRan(Exception):
+        pass
+
+    class Group:
+        def compute_log_prob(self, batch):
+            raise PassRan
+
+    concrete = type("Trainer", (trainer_base.PPOTrainer,), {"on_sample_end": lambda self: None,
+                                                            "on_step_end": lambda self, *a, **k: None})
+    trainer = object.__new__(concrete)  # no Ray, no TransferQueue service: only the method under test runs
+    trainer.config = trainer_config(use_kl_loss=False, **config)
+    trainer.actor_rollout_wg = Group()
+    keys = [f"k{i}" for i in range(h.ROWS)]
+    batch = KVBatchMeta(keys=keys, partition_id="train", tags=[{} for _ in keys], extra_info={})
+    metrics: dict = {}
+    h.patches(SKIP)
+    try:
+        if not skipped:
+            with pytest.raises(PassRan):
+                trainer._compute_old_log_prob(batch, metrics)
+            return
+        out = trainer._compute_old_log_prob(batch, metrics)
+    finally:
+        h.patches(None)
+    assert out.extra_info[MARK] and torch.equal(store.fields["old_log_probs"], torch.zeros(mask.shape))
+    assert "entropy" not in store.fields and "actor/entropy" not in metrics  # no placeholder metric
