@@ -76,6 +76,31 @@ def test_no_reference_model_when_no_coefficient_can_be_non_zero():
         h.patches(None)
 
 
+@pytest.mark.skipif(V >= Version("0.7"), reason="0.7+ decides from the config (test above)")
+def test_no_reference_role_when_no_coefficient_can_be_non_zero_06():
+    from verl.trainer.main_ppo import TaskRunner
+    from verl.trainer.ppo.utils import Role, need_reference_policy
+
+    class RefWorker:  # never instantiated: only its role's presence matters
+        pass
+
+    def roles(config):
+        runner = TaskRunner()
+        runner.add_ref_policy_worker(config, RefWorker)
+        return need_reference_policy(runner.role_worker_mapping), Role.RefPolicy in runner.mapping
+
+    cases = [(trainer_config(), False), (trainer_config(kl_loss_coef=0.1), True),
+             (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),
+             (trainer_config(use_kl_loss=False), False)]
+    assert [roles(c) for c, _ in cases] == [(True, True)] * 3 + [(False, False)]  # verl's own rule
+    h.patches(SKIP)
+    try:
+        assert [roles(c) for c, _ in cases] == [(n, n) for _, n in cases]
+        assert "reference_pass" in grpo_patches.status()["verl"]["notes"]
+    finally:
+        h.patches(None)
+
+
 def _ref_batch():
     return {"ref_log_prob": h.make_batch()["old_log_probs"] - 0.2}
 
@@ -118,7 +143,6 @@ def test_a_real_kl_coefficient_is_never_touched():
     assert h.max_rel(got, ref) == 0.0 and set(got.metrics) >= {k for k in ref.metrics}
 
 
-@pytest.mark.skipif(V < Version("0.7"), reason="0.6's apply_kl_penalty lives elsewhere")
 def test_in_reward_kl_at_a_fixed_zero_coefficient():
     from verl import DataProto
     from verl.trainer.ppo import core_algos, ray_trainer

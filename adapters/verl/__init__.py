@@ -40,7 +40,8 @@ OLD_SKIP = ">=0.7,<0.8"
 #: verl versions whose engine worker substitutes the skipped old log-probs (the worker-side records)
 ENGINE_OLD_SKIP = ENGINE
 ENGINE_WORKERS = "verl.workers.engine_workers"
-#: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes a role mapping: not wrapped).
+#: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes the role mapping
+#: that ``TaskRunner.add_ref_policy_worker`` fills: that method is wrapped instead).
 _NEED_REFERENCE = (
     ("verl.trainer.ppo.utils", ">=0.7"),
     ("verl.trainer.main_ppo", ">=0.7"),
@@ -76,8 +77,9 @@ PATCHES = (
     # reference pass (and model) at KL coefficient 0
     *(PatchTarget(module, "need_reference_policy", f"{_HERE}.reference:need_reference_policy", versions=versions,
                   option="logprob_skip") for module, versions in _NEED_REFERENCE),
-    PatchTarget(RAY_TRAINER, "apply_kl_penalty", f"{_HERE}.reference:apply_kl_penalty", versions=">=0.7",
-                option="logprob_skip"),
+    PatchTarget("verl.trainer.main_ppo", "TaskRunner.add_ref_policy_worker",
+                f"{_HERE}.reference:add_ref_policy_worker", versions="<0.7", option="logprob_skip"),
+    PatchTarget(RAY_TRAINER, "apply_kl_penalty", f"{_HERE}.reference:apply_kl_penalty", option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.reference:update_policy",
                 versions=LEGACY, option="logprob_skip"),
     PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.reference:forward_backward_batch",
