@@ -74,6 +74,8 @@ PATCHES = (
                 versions=LEGACY, option="zero_advantage_filter"),
     PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.engine_filter:forward_backward_batch",
                 versions=ENGINE, option="zero_advantage_filter"),
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.engine_nograd:forward_step",
+                versions=ENGINE, option="zero_advantage_filter"),  # outside the tiled loss's record
     # reference pass (and model) at KL coefficient 0
     *(PatchTarget(module, "need_reference_policy", f"{_HERE}.reference:need_reference_policy", versions=versions,
                   option="logprob_skip") for module, versions in _NEED_REFERENCE),

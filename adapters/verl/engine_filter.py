@@ -105,9 +105,11 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     from verl.utils import tensordict_utils as tu
 
     problems = _problems(config, data)
-    mode = filter_mode(instance, config, extra_problems=problems + _nograd_problem())
+    mode = filter_mode(instance, config, extra_problems=problems)
     if mode is None:
         return wrapped(*args, **kwargs)
+    if mode == "nograd":
+        return _nograd_update(wrapped, args, kwargs)
 
     from grpo_patches.plugins import hook
 
@@ -160,14 +162,22 @@ def _kept_rows_metrics(metrics: dict) -> None:
     verl_metrics.rename_kept_rows(metrics, UNCHANGED)
 
 
-def _nograd_problem() -> tuple[str, ...]:
-    from grpo_patches import api
+def _nograd_update(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``dropped_rows_metrics=True``: verl's own micro-batches, each split into a no-grad and an
+    autograd forward by :mod:`.engine_nograd`; every metric stays verl's."""
+    from . import engine_nograd
 
-    options = api.active_options("verl")
-    if options is not None and options.dropped_rows_metrics:
-        return ("dropped_rows_metrics=True (a no-grad forward of the dropped rows) is not implemented for verl's "
-                "engine workers (verl >= 0.8); pass dropped_rows_metrics=False: metrics then say /kept_rows",)
-    return ()
+    update = engine_nograd.NogradUpdate()
+    token = engine_nograd.activate(update)
+    try:
+        output = wrapped(*args, **kwargs)
+    finally:
+        engine_nograd.reset(token)
+    counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0)
+    verl_metrics.report(None, **counts)
+    for name, value in counts.items():
+        output["metrics"][verl_metrics.PREFIX + name] = [value]
+    return output
 
 
 def _static_multiple(keep: Any, mask: Any, data: Any) -> Any:

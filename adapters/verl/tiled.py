@@ -125,6 +125,11 @@ def fused_backend(model: Any) -> str | None:
     return "triton" if name == "forward_with_triton_backend" else None
 
 
+def global_batch_info(config: Any) -> dict:
+    """The global counts verl's ``agg_loss`` divides by (0.6 has neither the field nor the arguments)."""
+    return dict(getattr(config, "global_batch_info", None) or {})
+
+
 def token_weights(mask: Any, loss_agg_mode: str, info: dict) -> Any:
     """Each token's weight in verl's ``agg_loss`` (the gradient of a linear map: exact for every mode)."""
     import torch
@@ -377,7 +382,7 @@ def _check_inputs(call: TiledCall, got: dict) -> None:
         if (is_weights is None) != (used is None) or (
                 used is not None and not torch.equal(at(is_weights)[mask].float(), used.to(device)[mask].float())):
             problems.append("rollout_is_weights")
-        weights = token_weights(mask_loss, got["loss_agg_mode"], dict(call.config.global_batch_info))
+        weights = token_weights(mask_loss, got["loss_agg_mode"], global_batch_info(call.config))
         if got["loss_agg_mode"] != call.loss_agg_mode or not torch.equal(weights.to(device), call.weights.to(device)):
             problems.append("the loss aggregation (loss_agg_mode / global token and row counts)")
     if problems:

@@ -110,8 +110,8 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
 
     call = tiled.TiledCall(
         owner=instance, config=config, inputs=inputs, positions=_positions(micro),
-        weights=tiled.token_weights(full["response_mask"], config.loss_agg_mode, dict(config.global_batch_info)),
-        loss_agg_mode=config.loss_agg_mode, info=dict(config.global_batch_info),
+        weights=tiled.token_weights(full["response_mask"], config.loss_agg_mode, tiled.global_batch_info(config)),
+        loss_agg_mode=config.loss_agg_mode, info=tiled.global_batch_info(config),
         calculate_entropy=bool(calculate_entropy), responses=micro["responses"], rows=rows)
     token = tiled.activate(call)
     try:
