@@ -180,6 +180,10 @@ def _ws2_worker(rank: int, port: int, out_dir: str, model_dir: str) -> None:
         got = run(FILTER, workers, **kw)
         results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
                         "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows})
+        if (agg, dynamic) == ("token-mean", False):  # dropped_rows_metrics=True: two forwards per micro-batch
+            nograd = run({**FILTER, "dropped_rows_metrics": True}, workers, **kw)
+            results[-1]["nograd_err"] = h.max_rel(nograd, ref)
+            results[-1]["nograd_forwards"] = nograd.forwards
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -199,4 +203,8 @@ def test_two_ranks_exact_with_identical_work(ws2_results, record_property):
         assert a["err"] <= TOL and b["err"] <= TOL, (a, b)
         assert a["steps"] == b["steps"] and a["forwards"] == b["forwards"], (a, b)  # FSDP collectives line up
         assert a["forwards"] <= a["ref_forwards"] and a["grad_rows"] < h.ROWS * (2 if a["config"][2] == 2 else 1)
+        assert a.get("nograd_err", 0.0) <= TOL and b.get("nograd_err", 0.0) <= TOL, (a, b)
+        assert a.get("nograd_forwards") == b.get("nograd_forwards"), (a, b)
     record_property("exact_filter_grad_rel_ws2", max(r["err"] for r in rank0 + rank1))
+    assert any("nograd_err" in r for r in rank0)
+    record_property("exact_filter_nograd_grad_rel_ws2", max(r.get("nograd_err", 0.0) for r in rank0 + rank1))

@@ -62,7 +62,9 @@ def run(options, path="fused", *, dynamic=False, packed=False, entropy=False, **
     """``path``: "dense" (HF logits), "fused" (verl's fused-kernel forward; the tiled loss's host)."""
     fused = path == "fused"
     if LEGACY:
-        if entropy:
+        from verl.workers.config import FSDPActorConfig
+
+        if entropy and "calculate_entropy" in FSDPActorConfig.__dataclass_fields__:  # 0.6: entropy_coeff decides
             kw["calculate_entropy"] = True
         return h.legacy_run(options, fused=fused, dynamic=dynamic, **kw)
     worker = h.shared_worker(dynamic=dynamic, fused=fused, remove_padding=packed and fused)
@@ -111,7 +113,8 @@ def test_dual_clip_entropy_bonus_and_kl_loss(record_property):
     record_property("exact_tiled_grad_rel_vs_dense", err)
     assert err <= TOL, err
     assert_same_metrics(got.metrics, dense.metrics)
-    assert {"actor/entropy", "actor/entropy_loss"} & set(got.metrics)  # computed from the tiled loss's entropies
+    if not h.VERL.startswith("0.6"):  # 0.6 logs no entropy metric
+        assert {"actor/entropy", "actor/entropy_loss"} & set(got.metrics)  # computed from the tiled loss's entropies
 
 
 def test_a_wrong_tiled_answer_is_detected():
