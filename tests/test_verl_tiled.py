@@ -7,7 +7,7 @@ the same fused forward and with the ordinary dense forward (``[tokens, vocab]`` 
 every ``loss_agg_mode``, static and dynamic micro-batches, 1 and 2 mini-batches (on- and
 off-policy), the engine's packed layout (``use_remove_padding``), dual clip, entropy bonus and
 KL loss; verl's logged metrics equal; with the zero-advantage filter; FSDP2 on two ranks in
-tests/test_verl_ws2.py. Counted: no ``FusedLinearForPPOFunction`` ran in a tiled update.
+tests/test_verl_ws2_passes.py. Counted: no ``FusedLinearForPPOFunction`` ran in a tiled update.
 """
 
 from __future__ import annotations

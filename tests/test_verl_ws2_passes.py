@@ -6,6 +6,8 @@
   gradient equals verl's with the real old log-probs (legacy bitwise, engine <= 1e-6), and
   ``actor/entropy`` equals what the trainer computes from the skipped pass over the WHOLE
   batch (both ranks' rows: the adapter gathers them), on both ranks.
+* tiled lm-head loss (``tiled_loss=True`` on verl's fused forward): each rank's gradient equals
+  unpatched verl's fused path (<= 1e-6), the lm-head weight being FSDP2-sharded between forwards.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _engine_old_skip(rank: int, worker) -> dict:
     return {"err": h.max_rel(got, ref), "steps": len(got.grads), "entropy": entropy, "trainer_entropy": trainer_entropy}
 
 
-def _worker(rank: int, port: int, out_dir: str, model_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, model_dir: str, fused_dir: str) -> None:
     torch.set_num_threads(1)
     if LEGACY:
         h.init_pg(rank, 2, port)
@@ -132,6 +134,16 @@ def _worker(rank: int, port: int, out_dir: str, model_dir: str) -> None:
         got = worker.run(SKIP, **kw)
     result = {"reference": {"err": h.max_rel(got, ref), "steps": len(got.grads), "ref_steps": len(ref.grads),
                             "kl_logged": sorted(k for k in got.metrics if "kl_loss" in k)}}
+    # the tiled loss under FSDP2: the lm-head weight used unsharded inside verl's fused forward
+    tiled = {"zero_advantage_filter": False, "logprob_skip": False, "tiled_loss": True}
+    kw = dict(agg="seq-mean-token-mean", n_mini=2, rank=rank, world=2)
+    if LEGACY:
+        fused_ref, fused_got = (h.legacy_run(o, shard=True, fused=True, **kw) for o in (None, tiled))
+    else:
+        fused_worker = h.EngineWorker(fused_dir, fused=True, remove_padding=True)
+        fused_ref, fused_got = (fused_worker.run(o, **kw) for o in (None, tiled))
+    result["tiled"] = {"err": h.max_rel(fused_got, fused_ref), "steps": len(fused_got.grads),
+                       "ref_steps": len(fused_ref.grads)}
     if not LEGACY:
         result["old"] = _engine_old_skip(rank, worker)
     elif Version("0.7") <= V:
@@ -145,7 +157,8 @@ def _worker(rank: int, port: int, out_dir: str, model_dir: str) -> None:
 def ws2(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_ws2_passes")
     model_dir = h.model_dir(str(out)) if not LEGACY else ""
-    mp.spawn(_worker, args=(h.free_port(), str(out), model_dir), nprocs=2, join=True)
+    fused_dir = h.model_dir(str(out), fused=True) if not LEGACY else ""
+    mp.spawn(_worker, args=(h.free_port(), str(out), model_dir, fused_dir), nprocs=2, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -154,6 +167,13 @@ def test_reference_skip_on_two_ranks(ws2, record_property):
         r = rank["reference"]
         assert r["err"] == 0.0 and r["steps"] == r["ref_steps"] == 2 and not r["kl_logged"], r
     record_property("exact_reference_skip_grad_rel_ws2", max(r["reference"]["err"] for r in ws2))
+
+
+def test_tiled_loss_on_two_ranks(ws2, record_property):
+    for rank in ws2:
+        t = rank["tiled"]
+        assert t["err"] <= TOL and t["steps"] == t["ref_steps"] == 2, t
+    record_property("exact_tiled_grad_rel_ws2", max(r["tiled"]["err"] for r in ws2))
 
 
 @pytest.mark.skipif(LEGACY and V < Version("0.7"), reason="0.6's actor reads old log-probs")
