@@ -60,6 +60,21 @@ def test_verl_and_nemo_aggregations_match_dense(case, aggregation, normalizer):
             entropy_coef=0.02, entropy_aggregation="token-mean")
 
 
+def test_a_callable_kl_estimator_is_called_per_token(case):
+    """A framework's own estimator (verl's kl_penalty, with its clamps) instead of k1/k2/k3."""
+
+    def clamped_k3(logps, ref_logps):  # verl's low_var_kl, written out
+        kl = torch.clamp(ref_logps - logps, min=-20, max=20)
+        return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+    options = dict(loss_type=None, old_logps=1, ref_logps=1, beta=0.05, tile_size=3)
+    tiled, _ = compare(case, kl_estimator=clamped_k3, **options)
+    builtin = run(tiled_grpo_loss, case, kl_estimator="k3", kl_clamp=10.0, **options)
+    assert torch.allclose(tiled[0], builtin[0], rtol=1e-6)  # no log-ratio beyond 20 here: the same value
+    shifted = run(tiled_grpo_loss, case, kl_estimator=lambda lp, ref: clamped_k3(lp, ref) + lp, **options)
+    assert not torch.allclose(shifted[2]["hidden"], tiled[2]["hidden"])  # the callable's gradient is used
+
+
 def test_per_token_advantages_and_float_mask():
     case = make_case(per_token_adv=True, seed=3)
     case["mask"] = case["mask"] * torch.rand(case["mask"].shape)  # NeMo-style token * sample weights

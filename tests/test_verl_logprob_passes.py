@@ -45,7 +45,7 @@ def trainer_config(use_kl_loss=True, kl_loss_coef=0.0, use_kl_in_reward=False, k
         "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss, "kl_loss_coef": kl_loss_coef,
                                         "ppo_mini_batch_size": mini, "ppo_epochs": epochs,
                                         "loss_agg_mode": "token-mean", "loss_scale_factor": None},
-                              "rollout": {"n": n}},
+                              "rollout": {"n": n, "temperature": 1.0}},
         "algorithm": {"use_kl_in_reward": use_kl_in_reward, "kl_ctrl": {"type": kl_ctrl, "kl_coef": kl_coef}},
     })
 
@@ -72,6 +72,31 @@ def test_no_reference_model_when_no_coefficient_can_be_non_zero():
                 assert bool(module.need_reference_policy(config)) is needed, (config, module)
         notes = grpo_patches.status()["verl"]["notes"]
         assert "reference_pass" in notes
+    finally:
+        h.patches(None)
+
+
+@pytest.mark.skipif(V >= Version("0.7"), reason="0.7+ decides from the config (test above)")
+def test_no_reference_role_when_no_coefficient_can_be_non_zero_06():
+    from verl.trainer.main_ppo import TaskRunner
+    from verl.trainer.ppo.utils import Role, need_reference_policy
+
+    class RefWorker:  # never instantiated: only its role's presence matters
+        pass
+
+    def roles(config):
+        runner = TaskRunner()
+        runner.add_ref_policy_worker(config, RefWorker)
+        return need_reference_policy(runner.role_worker_mapping), Role.RefPolicy in runner.mapping
+
+    cases = [(trainer_config(), False), (trainer_config(kl_loss_coef=0.1), True),
+             (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),
+             (trainer_config(use_kl_loss=False), False)]
+    assert [roles(c) for c, _ in cases] == [(True, True)] * 3 + [(False, False)]  # verl's own rule
+    h.patches(SKIP)
+    try:
+        assert [roles(c) for c, _ in cases] == [(n, n) for _, n in cases]
+        assert "reference_pass" in grpo_patches.status()["verl"]["notes"]
     finally:
         h.patches(None)
 
@@ -118,7 +143,6 @@ def test_a_real_kl_coefficient_is_never_touched():
     assert h.max_rel(got, ref) == 0.0 and set(got.metrics) >= {k for k in ref.metrics}
 
 
-@pytest.mark.skipif(V < Version("0.7"), reason="0.6's apply_kl_penalty lives elsewhere")
 def test_in_reward_kl_at_a_fixed_zero_coefficient():
     from verl import DataProto
     from verl.trainer.ppo import core_algos, ray_trainer
@@ -234,3 +258,158 @@ def test_the_pass_runs_when_something_reads_it(config):
         assert any("computed" in n for c in notes.values() for n in c.values())
         return
     assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
+
+
+# --- the old-logprob pass on the engine line (0.8+: the loss uses the detached current log-probs) ---
+
+ENGINE_OLD_SKIP = V >= Version("0.8")
+
+
+class _EngineGroup:
+    """Stands in for the actor worker group: the real TrainingWorker's forward-only pass, counted."""
+
+    world_size = 1
+
+    def __init__(self, worker):
+        self.worker, self.calls = worker, 0
+
+    def compute_log_prob(self, td):
+        from verl.utils import tensordict_utils as tu
+
+        self.calls += 1
+        from tensordict.tensorclass import NonTensorData
+
+        tu.assign_non_tensor(td, micro_batch_size_per_gpu=4,  # the log-prob pass batches differently
+                             global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()))
+        return self.worker.worker.infer_batch(td)
+
+
+def _engine_old_pass_then_update(options, *, mini=16, mark=None, **config):
+    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update."""
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    worker = h.shared_worker()
+    worker.reset_weights()
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = trainer_config(use_kl_loss=False, mini=mini, **config)
+    trainer.actor_rollout_wg = _EngineGroup(worker)
+    batch = h.make_batch()
+    batch.pop("old_log_probs")
+    data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+    h.patches(options)
+    try:
+        old, mfu = trainer._compute_old_log_prob(data)
+        entropy = agg_loss(loss_mat=old.batch["entropys"], loss_mask=data.batch["response_mask"],
+                           loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
+        old.batch.pop("entropys")
+        data = data.union(old)
+        if mark is not None:
+            data.meta_info[mark] = True
+        td = left_right_2_no_padding(data.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=h.ROWS, mini_batch_size=mini, epochs=1,
+                             seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        run = worker.run_td(td, "as is")
+        run.metrics = {"trainer/actor/entropy": entropy, "trainer/perf/mfu/actor_infer": mfu, **run.metrics}
+    finally:
+        h.patches(None)
+    run.forwards = trainer.actor_rollout_wg.calls
+    return run
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+def test_engine_on_policy_update_skips_the_old_logprob_pass(record_property):
+    ref = _engine_old_pass_then_update(None)
+    got = _engine_old_pass_then_update(SKIP)
+    err = h.max_rel(got, ref)
+    record_property("exact_old_logprob_skip_grad_rel", err)
+    assert err <= 1e-6 and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
+    trainer_entropy = got.metrics["trainer/actor/entropy"]
+    assert trainer_entropy != trainer_entropy  # NaN: the trainer's value came from the placeholder
+    got_mfu = got.metrics["trainer/perf/mfu/actor_infer"]
+    assert got_mfu != got_mfu  # no pass ran: NaN, not a 0
+    (entropy,) = got.metrics["actor/entropy"]  # from the update's own forward, the trainer's aggregation
+    assert entropy == pytest.approx(ref.metrics["trainer/actor/entropy"], rel=1e-6)
+    assert "actor/entropy_loss" not in got.metrics  # verl logs it only when the config asks for entropies
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert torch.allclose(torch.tensor(got.metrics[name], dtype=torch.float64),
+                              torch.tensor(ref.metrics[name], dtype=torch.float64), rtol=1e-5, atol=1e-6), name
+    assert got.status["savings"]["old_logprob_passes_skipped"] == 1
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+@pytest.mark.parametrize("config", [{"mini": 8}, {"use_kl_in_reward": True}])
+def test_engine_pass_runs_when_something_reads_it(config):
+    got = _engine_old_pass_then_update(SKIP, **config)
+    assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
+    assert "actor/entropy" not in got.metrics  # the trainer's pass gives it
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
+    from grpo_patches.adapters.verl.old_logprobs import MARK
+
+    with pytest.raises(RuntimeError, match="not on-policy"):
+        _engine_old_pass_then_update(SKIP, mini=8, mark=MARK)  # two mini-batches, yet marked as skipped
+
+
+class _FakeTransferQueue:
+    """The two TransferQueue calls the v1 trainer's old-logprob step makes, on an in-memory store."""
+
+    def __init__(self, fields):
+        self.fields = fields
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        from tensordict import TensorDict
+
+        return TensorDict({k: self.fields[k] for k in select_fields}, batch_size=[len(keys)])
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        from transfer_queue import KVBatchMeta
+
+        self.fields.update(dict(fields.items()))
+        return KVBatchMeta(keys=list(keys), partition_id=partition_id, tags=[{} for _ in keys])
+
+
+@pytest.mark.skipif(V < Version("0.9"), reason="the v1 (TransferQueue) trainer is 0.9's")
+@pytest.mark.parametrize("config,skipped", [({}, True), ({"mini": 8}, False), ({"use_kl_in_reward": True}, False)])
+def test_v1_trainer_skips_the_pass_into_a_placeholder(monkeypatch, config, skipped):
+    pytest.importorskip("transfer_queue")
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from grpo_patches.adapters.verl.old_logprobs import MARK
+
+    mask = h.make_batch()["response_mask"]
+    store = _FakeTransferQueue({"response_mask": mask})
+    monkeypatch.setattr(trainer_base, "tq", store)
+
+    class PassRan(Exception):
+        pass
+
+    class Group:
+        def compute_log_prob(self, batch):
+            raise PassRan
+
+    concrete = type("Trainer", (trainer_base.PPOTrainer,), {"on_sample_end": lambda self: None,
+                                                            "on_step_end": lambda self, *a, **k: None})
+    trainer = object.__new__(concrete)  # no Ray, no TransferQueue service: only the method under test runs
+    trainer.config = trainer_config(use_kl_loss=False, **config)
+    trainer.actor_rollout_wg = Group()
+    keys = [f"k{i}" for i in range(h.ROWS)]
+    batch = KVBatchMeta(keys=keys, partition_id="train", tags=[{} for _ in keys], extra_info={})
+    metrics: dict = {}
+    h.patches(SKIP)
+    try:
+        if not skipped:
+            with pytest.raises(PassRan):
+                trainer._compute_old_log_prob(batch, metrics)
+            return
+        out = trainer._compute_old_log_prob(batch, metrics)
+    finally:
+        h.patches(None)
+    assert out.extra_info[MARK] and torch.equal(store.fields["old_log_probs"], torch.zeros(mask.shape))
+    assert "entropy" not in store.fields and "actor/entropy" not in metrics  # no placeholder metric

@@ -1,4 +1,5 @@
-"""The smallest CPU platform for verl >= 0.9 (it ships cuda / npu / rocm platforms only). Tests only.
+"""The smallest CPU platform for verl's engine line (0.9 ships cuda / npu / rocm platforms only;
+0.8 asks ``torch.<device>`` directly: :func:`_install_08`). Tests only.
 
 verl 0.9 resolves every device call through ``verl.plugin.platform.get_platform()``, so one
 registered ``PlatformBase`` subclass plus ``set_platform`` is the whole shim; no verl function
@@ -10,7 +11,9 @@ classes (registered for cuda / npu only). Use ``strategy="fsdp2"`` (FSDP1 insist
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import os
+import sys
 import types
 
 import torch
@@ -43,7 +46,38 @@ def _device_module() -> types.SimpleNamespace:
     )
 
 
+def _install_08() -> None:
+    """verl 0.8 has no platform plugins: it asks ``torch.<device>`` directly (device "cpu" here),
+    and registers the FSDP engines for cuda / npu only."""
+    from verl.workers.engine.base import EngineRegistry
+
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (registers the engines)
+
+    for name, fn in vars(_device_module()).items():  # the torch.cuda calls torch.cpu lacks
+        if fn is not None and not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+    # unpadding imports flash_attn.bert_padding off NPU: its pure-torch twin (verl's NPU copy) stands in
+    from verl.utils import npu_flash_attn_utils as pure
+
+    if "flash_attn" not in sys.modules:
+        package, padding = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.bert_padding")
+        package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+        padding.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)
+        for name in ("index_first_axis", "pad_input", "rearrange", "unpad_input"):
+            setattr(padding, name, getattr(pure, name))
+        package.bert_padding = padding
+        sys.modules.update({"flash_attn": package, "flash_attn.bert_padding": padding})
+    for backends in EngineRegistry._engines.values():
+        for devices in backends.values():
+            if "cuda" in devices:
+                devices.setdefault("cpu", devices["cuda"])
+
+
 def install() -> None:
+    try:
+        import verl.plugin.platform  # noqa: F401  (0.9+)
+    except ImportError:
+        return _install_08()
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
 

@@ -56,7 +56,9 @@ def init_pg(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def tiny_model(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = VOCAB) -> Any:
+def tiny_model(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = VOCAB, fused: bool = False) -> Any:
+    """A tiny Qwen2; ``fused``: with verl's fused-kernel forward (``use_fused_kernels=True``,
+    torch backend), patched onto a subclass of its own so the other models keep HF's forward."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -64,7 +66,19 @@ def tiny_model(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = VO
                          tie_word_embeddings=True, attn_implementation="eager")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).float()
+        model = (fused_class() if fused else Qwen2ForCausalLM)(config).float()
+    if fused:
+        from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    return model
+
+
+def fused_class() -> type:
+    """A Qwen2ForCausalLM subclass whose forward verl's fused-kernel patch may replace."""
+    from transformers import Qwen2ForCausalLM
+
+    return type("FusedQwen2ForCausalLM", (Qwen2ForCausalLM,), {})
 
 
 def make_batch(rows: int = ROWS, zero_rows=ZERO_ROWS["interleaved"], seed: int = 1, world: int = 1,
@@ -178,13 +192,16 @@ def legacy_actor(model, *, agg="token-mean", dynamic=False, mini=ROWS, mbs=3, ep
 
 
 def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, world=1, shard=False,
-               batch_extra: dict | None = None, model_seed: int = 0, **config) -> Run:
-    """One ``update_policy`` on a fresh tiny model, patched with ``options`` (``None``: off)."""
+               batch_extra: dict | None = None, model_seed: int = 0, fused: bool = False, **config) -> Run:
+    """One ``update_policy`` on a fresh tiny model, patched with ``options`` (``None``: off).
+    ``fused``: verl's fused-kernel forward (``use_fused_kernels=True``)."""
     from verl import DataProto
 
     patches(options)
     run = Run()
-    model = tiny_model(model_seed)
+    model = tiny_model(model_seed, fused=fused)
+    if fused:
+        config["use_fused_kernels"] = True
     if shard:
         from torch.distributed.fsdp import fully_shard
 
@@ -216,11 +233,39 @@ def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, wo
 _MODEL_DIR: dict[str, str] = {}
 
 
-def model_dir(tmp_root: str) -> str:
-    path = os.path.join(tmp_root, "tiny_qwen2")
+def model_dir(tmp_root: str, fused: bool = False) -> str:
+    """The tiny model saved for the engine; ``fused``: the same weights as a model type of its own
+    (:func:`fused_types`), so that verl's fused-kernel patch of its class leaves Qwen2 alone."""
+    path = os.path.join(tmp_root, "tiny_qwen2_fused" if fused else "tiny_qwen2")
     if not os.path.exists(os.path.join(path, "config.json")):
-        tiny_model(0).save_pretrained(path)
+        model = tiny_model(0)
+        if fused:
+            config_class, model_class = fused_types()
+            fused_model = model_class(config_class(**model.config.to_dict()))
+            fused_model.load_state_dict(model.state_dict())
+            model = fused_model
+        model.save_pretrained(path)
     return path
+
+
+_FUSED_TYPES: list = []
+
+
+def fused_types() -> tuple[type, type]:
+    """A Qwen2 config / causal-LM pair registered with transformers' auto classes (once per process)."""
+    if not _FUSED_TYPES:
+        from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        class FusedQwen2Config(Qwen2Config):
+            model_type = "grpo_tiny_fused_qwen2"
+
+        class FusedQwen2ForCausalLM(Qwen2ForCausalLM):
+            config_class = FusedQwen2Config
+
+        AutoConfig.register(FusedQwen2Config.model_type, FusedQwen2Config)
+        AutoModelForCausalLM.register(FusedQwen2Config, FusedQwen2ForCausalLM)
+        _FUSED_TYPES.extend([FusedQwen2Config, FusedQwen2ForCausalLM])
+    return _FUSED_TYPES[0], _FUSED_TYPES[1]
 
 
 def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
@@ -233,14 +278,18 @@ def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None
 class EngineWorker:
     """One FSDP2 ``TrainingWorker`` reused across runs (its weights reset before each)."""
 
-    def __init__(self, path: str, *, dynamic: bool = False, mbs: int = 2, max_tokens: int = 40):
+    def __init__(self, path: str, *, dynamic: bool = False, mbs: int = 2, max_tokens: int = 40, fused: bool = False,
+                 remove_padding: bool = False):
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import (FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig,
                                          TrainingWorkerConfig)
         from verl.workers.engine_workers import TrainingWorker
 
-        model = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False,
-                              enable_gradient_checkpointing=False, override_config={"attn_implementation": "eager"})
+        if fused:
+            fused_types()  # the saved model's type, before verl reads its config
+        model = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=remove_padding,
+                              enable_gradient_checkpointing=False, override_config={"attn_implementation": "eager"},
+                              use_fused_kernels=fused, fused_kernel_options={"impl_backend": "torch"} if fused else {})
         engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
                                   mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                                   use_dynamic_bsz=dynamic, micro_batch_size_per_gpu=mbs, max_token_len_per_gpu=max_tokens)
@@ -277,34 +326,67 @@ class EngineWorker:
             self.current.nograd_rows += rows
 
     def run(self, options: dict | None, *, agg="token-mean", n_mini=1, epochs=1, zero="interleaved", rank=0,
-            world=1, loss_mode="vanilla", batch_extra: dict | None = None, **actor_extra) -> Run:
+            world=1, loss_mode="vanilla", batch_extra: dict | None = None, calculate_entropy: bool = False,
+            **actor_extra) -> Run:
+        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra,
+                          calculate_entropy=calculate_entropy)
+        return self.run_td(td, options, agg=agg, loss_mode=loss_mode, **actor_extra)
+
+    def set_loss(self, agg="token-mean", loss_mode="vanilla", **actor_extra) -> None:
+        """``ppo_loss`` with an actor config, as ``ActorRolloutRefWorker.init_model`` sets it."""
         from functools import partial
 
         from verl.workers.config import FSDPActorConfig
         from verl.workers.config.actor import PolicyLossConfig
         from verl.workers.utils.losses import ppo_loss
 
-        self.engine.module.load_state_dict(self.initial)
         actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS, loss_agg_mode=agg,
                                 policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False,
                                 ppo_micro_batch_size_per_gpu=self.mbs, **actor_extra)
-        self.worker.set_loss_fn(partial(ppo_loss, config=actor))  # what ActorRolloutRefWorker.init_model does
-        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra)
-        patches(options)
+        self.worker.set_loss_fn(partial(ppo_loss, config=actor))
+
+    def reset_weights(self) -> None:
+        self.engine.module.load_state_dict(self.initial)
+
+    def run_td(self, td, options: dict | None | str, *, agg="token-mean", loss_mode="vanilla", **actor_extra) -> Run:
+        """``train_mini_batch(td)`` from the initial weights; ``options="as is"`` leaves the patches alone."""
+        from verl.utils import tensordict_utils as tu
+
+        self.reset_weights()
+        self.set_loss(agg=agg, loss_mode=loss_mode, **actor_extra)
+        if options != "as is":
+            patches(options)
         self.current = run = Run()
         try:
             out = self.worker.train_mini_batch(td)
             run.status = verl_status()
         finally:
             self.current = None
-            patches(None)
-        from verl.utils import tensordict_utils as tu
-
+            if options != "as is":
+                patches(None)
         run.metrics = tu.get(out, "metrics") if out is not None else {}
         return run
 
 
-def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved", extra: dict | None = None):
+_SHARED: dict = {}
+
+
+def shared_worker(*, dynamic: bool = False, fused: bool = False, remove_padding: bool = False) -> "EngineWorker":
+    """One engine worker per kind for the whole process (each build costs seconds): every test
+    module reuses it (the worker resets its weights before each run)."""
+    key = (dynamic, fused, remove_padding)
+    if key not in _SHARED:
+        if "dir" not in _SHARED:
+            import tempfile
+
+            _SHARED["dir"] = tempfile.mkdtemp(prefix="grpo_patches_verl_")
+        _SHARED[key] = EngineWorker(model_dir(_SHARED["dir"], fused=fused), dynamic=dynamic, fused=fused,
+                                    remove_padding=remove_padding)
+    return _SHARED[key]
+
+
+def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved", extra: dict | None = None,
+                 calculate_entropy: bool = False):
     """The v0 trainer's ``update_actor`` input (``RayPPOTrainer._update_actor``), this rank's rows."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
@@ -313,7 +395,7 @@ def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved
     batch = rank_rows(make_batch(zero_rows=ZERO_ROWS[zero], world=world), rank)
     batch.update({k: v[: len(batch["advantages"])] for k, v in (extra or {}).items()})
     td = left_right_2_no_padding(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}).to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=mini_rows * world,
+    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, global_batch_size=mini_rows * world,
                          mini_batch_size=mini_rows * world, epochs=epochs, seed=1,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     return td

@@ -9,7 +9,11 @@ the line whose internals it wraps. Records on one attribute stack in table order
   (:mod:`.engine_filter`).
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), placeholders for its readers.
-- old-logprob pass on on-policy updates, 0.7.x legacy worker (:mod:`.old_logprobs`).
+- old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass; the 0.7.x
+  legacy actor ignores it there; :mod:`.old_logprobs_engine`: the engine's loss uses the
+  detached current log-probs).
+- tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
+  verl's fused-kernel lm-head call with the tiled loss.
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
 reference placeholder and the old-logprob checks see verl's unfiltered batch.
@@ -30,8 +34,14 @@ ENGINE = ">=0.8.0"
 DP_ACTOR = "verl.workers.actor.dp_actor"
 FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+FUSED = "verl.utils.experimental.torch_functional"
+LOSSES = "verl.workers.utils.losses"
 OLD_SKIP = ">=0.7,<0.8"
-#: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes a role mapping: not wrapped).
+#: verl versions whose engine worker substitutes the skipped old log-probs (the worker-side records)
+ENGINE_OLD_SKIP = ENGINE
+ENGINE_WORKERS = "verl.workers.engine_workers"
+#: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes the role mapping
+#: that ``TaskRunner.add_ref_policy_worker`` fills: that method is wrapped instead).
 _NEED_REFERENCE = (
     ("verl.trainer.ppo.utils", ">=0.7"),
     ("verl.trainer.main_ppo", ">=0.7"),
@@ -43,6 +53,17 @@ _NEED_REFERENCE = (
 
 #: Every patch record of the verl adapter (module, attribute, wrapper, versions, option).
 PATCHES = (
+    # tiled lm-head loss: innermost on _forward_micro_batch (it sees the micro-batch as the other records leave it)
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.tiled_legacy:forward_micro_batch",
+                versions=LEGACY, option="tiled_loss"),
+    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=LEGACY,
+                option="tiled_loss"),
+    PatchTarget(FUSED, "FusedLinearForPPO.forward", f"{_HERE}.tiled:fused_linear_forward", option="tiled_loss"),
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.tiled_engine:forward_step",
+                versions=ENGINE, option="tiled_loss"),
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=ENGINE,
+                option="tiled_loss"),
+    # zero-advantage filter
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.legacy_filter:update_policy",
                 versions=LEGACY, option="zero_advantage_filter"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.legacy_filter:forward_micro_batch",
@@ -53,22 +74,36 @@ PATCHES = (
                 versions=LEGACY, option="zero_advantage_filter"),
     PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.engine_filter:forward_backward_batch",
                 versions=ENGINE, option="zero_advantage_filter"),
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.engine_nograd:forward_step",
+                versions=ENGINE, option="zero_advantage_filter"),  # outside the tiled loss's record
     # reference pass (and model) at KL coefficient 0
     *(PatchTarget(module, "need_reference_policy", f"{_HERE}.reference:need_reference_policy", versions=versions,
                   option="logprob_skip") for module, versions in _NEED_REFERENCE),
-    PatchTarget(RAY_TRAINER, "apply_kl_penalty", f"{_HERE}.reference:apply_kl_penalty", versions=">=0.7",
-                option="logprob_skip"),
+    PatchTarget("verl.trainer.main_ppo", "TaskRunner.add_ref_policy_worker",
+                f"{_HERE}.reference:add_ref_policy_worker", versions="<0.7", option="logprob_skip"),
+    PatchTarget(RAY_TRAINER, "apply_kl_penalty", f"{_HERE}.reference:apply_kl_penalty", option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.reference:update_policy",
                 versions=LEGACY, option="logprob_skip"),
     PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.reference:forward_backward_batch",
                 versions=ENGINE, option="logprob_skip"),
     # old-logprob pass on on-policy updates (0.7's legacy actor ignores it there)
     PatchTarget(RAY_TRAINER, "RayPPOTrainer._compute_old_log_prob", f"{_HERE}.old_logprobs:compute_old_log_prob",
-                versions=OLD_SKIP, option="logprob_skip"),
+                versions=">=0.7", option="logprob_skip"),
+    PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_old_log_prob",
+                f"{_HERE}.old_logprobs:compute_old_log_prob_v1", versions=">=0.9", option="logprob_skip"),
+    PatchTarget(ENGINE_WORKERS, "TrainingWorker.train_mini_batch", f"{_HERE}.old_logprobs_engine:train_mini_batch",
+                versions=ENGINE_OLD_SKIP, option="logprob_skip"),
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.old_logprobs_engine:forward_step",
+                versions=ENGINE_OLD_SKIP, option="logprob_skip"),
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.old_logprobs_engine:get_policy_loss_fn",
+                versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs:update_policy",
                 versions=OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
+    # tiled loss: outside the filter on update_policy (verl's on-policy rule counts the unfiltered mini-batches)
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
+                versions=LEGACY, option="tiled_loss"),
 )
 
 ADAPTER = Adapter(name="verl", distribution="verl", supported=">=0.6.1,<0.10", patches=PATCHES)

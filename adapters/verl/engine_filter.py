@@ -17,6 +17,7 @@ forward and no backward. The mini-batch, the optimizer step and ``global_batch_s
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any, Callable
 
@@ -30,6 +31,24 @@ UNCHANGED = ("actor/pg_loss", "kl_coef")
 #: ppo_loss metrics summed over micro-batches with global denominators: the dropped rows' terms
 #: are missing and the kept rows' terms are not a mean of anything, so they are not logged.
 SUMS_OVER_ALL_ROWS = ("actor/entropy_loss", "kl_loss")
+#: The unfiltered global token count while verl runs the filtered mini-batch (what ppo_loss must divide by).
+_TOKENS: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_batch_num_tokens", default=None)
+#: ``dropped_rows_metrics=True``: (the micro-batch verl's loss sees, the rows of it this forward holds).
+_SUBSET: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_subset", default=None)
+#: The attribute a loss-function wrapper carries its actor config under (seen by :func:`actor_config_of`).
+CONFIG_ATTRIBUTE = "grpo_patches_actor_config"
+
+
+def batch_num_tokens_of(micro: Any) -> Any:
+    """The global token count verl's ``ppo_loss`` will divide this micro-batch's loss by."""
+    tokens = _TOKENS.get()
+    return micro["batch_num_tokens"] if tokens is None else tokens
+
+
+def kept_rows_of(micro: Any) -> tuple[Any, Any]:
+    """The micro-batch verl's loss will see and which of its rows ``micro`` holds (``None``: all)."""
+    subset = _SUBSET.get()
+    return (micro, None) if subset is None else subset
 
 
 def _bind(data: Any, loss_function: Callable | None = None, forward_only: bool = False) -> tuple:
@@ -38,6 +57,9 @@ def _bind(data: Any, loss_function: Callable | None = None, forward_only: bool =
 
 def actor_config_of(loss_function: Any) -> Any | None:
     """The actor config of verl's ``partial(ppo_loss, config=...)`` (``None`` for other losses)."""
+    wrapped_config = getattr(loss_function, CONFIG_ATTRIBUTE, None)
+    if wrapped_config is not None:
+        return wrapped_config
     if not isinstance(loss_function, functools.partial):
         return None
     func = loss_function.func
@@ -83,9 +105,11 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     from verl.utils import tensordict_utils as tu
 
     problems = _problems(config, data)
-    mode = filter_mode(instance, config, extra_problems=problems + _nograd_problem())
+    mode = filter_mode(instance, config, extra_problems=problems)
     if mode is None:
         return wrapped(*args, **kwargs)
+    if mode == "nograd":
+        return _nograd_update(wrapped, args, kwargs)
 
     from grpo_patches.plugins import hook
 
@@ -112,7 +136,12 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
             tu.assign_non_tensor(micro, batch_num_tokens=batch_num_tokens)
             return loss_function(*a, **kw)
 
-        output = wrapped(filtered, loss_with_unfiltered_tokens, forward_only)
+        setattr(loss_with_unfiltered_tokens, CONFIG_ATTRIBUTE, config)
+        token = _TOKENS.set(batch_num_tokens)
+        try:
+            output = wrapped(filtered, loss_with_unfiltered_tokens, forward_only)
+        finally:
+            _TOKENS.reset(token)
     _kept_rows_metrics(output["metrics"])
     active = (mask != 0)
     dropped_rows = torch.ones(rows, dtype=torch.bool)
@@ -133,14 +162,22 @@ def _kept_rows_metrics(metrics: dict) -> None:
     verl_metrics.rename_kept_rows(metrics, UNCHANGED)
 
 
-def _nograd_problem() -> tuple[str, ...]:
-    from grpo_patches import api
+def _nograd_update(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``dropped_rows_metrics=True``: verl's own micro-batches, each split into a no-grad and an
+    autograd forward by :mod:`.engine_nograd`; every metric stays verl's."""
+    from . import engine_nograd
 
-    options = api.active_options("verl")
-    if options is not None and options.dropped_rows_metrics:
-        return ("dropped_rows_metrics=True (a no-grad forward of the dropped rows) is not implemented for verl's "
-                "engine workers (verl >= 0.8); pass dropped_rows_metrics=False: metrics then say /kept_rows",)
-    return ()
+    update = engine_nograd.NogradUpdate()
+    token = engine_nograd.activate(update)
+    try:
+        output = wrapped(*args, **kwargs)
+    finally:
+        engine_nograd.reset(token)
+    counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0)
+    verl_metrics.report(None, **counts)
+    for name, value in counts.items():
+        output["metrics"][verl_metrics.PREFIX + name] = [value]
+    return output
 
 
 def _static_multiple(keep: Any, mask: Any, data: Any) -> Any:

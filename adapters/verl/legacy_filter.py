@@ -39,6 +39,8 @@ from .loss_modes import denominator, effective_agg_mode, line_of
 
 _PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_update", default=None)
+#: ``dropped_rows_metrics=True``: (the micro-batch verl's loss sees, the rows of it this forward holds)
+_SUBSET: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_subset", default=None)
 
 #: update_policy metrics the filter provably leaves unchanged (0.7: pg_loss is a float sum).
 UNCHANGED = ("actor/grad_norm", "actor/kl_coef", "actor/lr")
@@ -311,7 +313,11 @@ def _split_forward(wrapped, update: Update, micro: dict, args: tuple, kwargs: di
 
     rest = args[1:] if args else ()
     named = {k: v for k, v in kwargs.items() if k != "micro_batch"}
-    kept_out = wrapped(rows_of(keep), *rest, **named)
+    token = _SUBSET.set((micro, keep))
+    try:
+        kept_out = wrapped(rows_of(keep), *rest, **named)
+    finally:
+        _SUBSET.reset(token)
     with torch.no_grad():
         dropped_out = wrapped(rows_of(extra), *rest, **named)
 
@@ -338,6 +344,14 @@ def prepare_dynamic_batch(wrapped: Callable[..., Any], instance: Any, args: tupl
 
         kwargs = dict(kwargs, dp_group=dist.group.WORLD, same_micro_num_in_dp=True)
     return wrapped(*args, **kwargs)
+
+
+def kept_rows_of(micro: dict) -> tuple[dict, Any]:
+    """The micro-batch verl's loss will see and which of its rows ``micro`` holds (``None``: all).
+
+    Differs from ``(micro, None)`` only inside the autograd forward of ``dropped_rows_metrics=True``."""
+    subset = _SUBSET.get()
+    return (micro, None) if subset is None else subset
 
 
 def active_mode() -> str | None:

@@ -1,15 +1,19 @@
-"""The old-logprob pass on provably on-policy updates (verl 0.7.x legacy worker; option ``logprob_skip``).
+"""The old-logprob pass on provably on-policy updates (option ``logprob_skip``): trainer side,
+and the 0.7.x legacy actor.
 
-verl 0.7's trainer always runs the old-logprob pass (``RayPPOTrainer._compute_old_log_prob``),
-but the legacy actor ignores its result when the update is on-policy: one mini-batch and one
-epoch (``dp_actor.update_policy``: ``on_policy = len(mini_batches) == 1 and ppo_epochs == 1``,
-then ``old_log_prob = log_prob.detach()``). The decision is the ``grpo_recompute_old_logps``
+verl's trainer always runs the old-logprob pass (v0 ``RayPPOTrainer._compute_old_log_prob``,
+0.9's v1 ``PPOTrainer._compute_old_log_prob``). The 0.7 legacy actor ignores its result when
+the update is on-policy: one mini-batch and one epoch (``dp_actor.update_policy``:
+``on_policy = len(mini_batches) == 1 and ppo_epochs == 1``, then ``old_log_prob =
+log_prob.detach()``); the engine's ``ppo_loss`` (0.8+) always reads it, so there the worker
+side (:mod:`.old_logprobs_engine`) makes the loss use the detached current log-probs. The decision is the ``grpo_recompute_old_logps``
 hook's: the batch is consumed by ``mini-batches x epochs`` updates and the optimizer steps
 after each one (a window of 1), and "needed elsewhere" covers every other reader of the
 trainer's old log-probs (in-reward KL, rollout correction, rollout log-prob debug metrics,
 ``use_rollout_log_probs``, the sum_pi_squared baselines).
 
-When skipped, the trainer gets a placeholder (zeros, marked in ``meta_info``); the actor's
+When skipped, the trainer gets a placeholder (zeros, marked in ``meta_info`` / v1's
+``extra_info``, which reach the workers as non-tensor data); the legacy actor's
 ``update_policy`` wrapper checks that verl's own on-policy condition holds for the marked
 batch (or raises), and computes ``actor/entropy`` — which the trainer computes from that pass
 — from the training forward's own logits (same weights: on-policy), aggregated over the whole
@@ -29,6 +33,13 @@ from . import metrics as verl_metrics
 
 MARK = "grpo_patches_old_log_probs_skipped"
 _ENTROPY: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_entropy", default=None)
+
+
+def engine_on_policy(micro: Any) -> bool:
+    """Whether the engine's loss uses the detached current log-probs as old ones for ``micro``."""
+    from .old_logprobs_engine import active
+
+    return active() is not None
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -62,9 +73,21 @@ def _needed_elsewhere(trainer: Any, batch: Any) -> str | None:
         return "actor.use_rollout_log_probs"
     if actor.get("calculate_sum_pi_squared", False):
         return "actor.calculate_sum_pi_squared (the optimal-token-baseline estimators)"
-    if trainer.use_legacy_worker_impl == "disable":
+    if getattr(trainer, "use_legacy_worker_impl", "auto") == "disable" and not _engine_skip_available():
         return "the engine worker (use_legacy_worker_impl=disable) always reads them"
     return None
+
+
+def _engine_skip_available() -> bool:
+    """Whether this verl's engine worker has the worker-side records (the loss's substitute)."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from . import ENGINE_OLD_SKIP
+
+    return Version(metadata.version("verl")) in SpecifierSet(ENGINE_OLD_SKIP)
 
 
 def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -95,7 +118,67 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
     batch.meta_info[MARK] = True
     api.note("verl", "old_logprob_pass", explain(False, consumptions, 1, False), owner=instance)
     verl_metrics.report(None, old_logprob_passes_skipped=1)
-    return placeholder, 0
+    return placeholder, float("nan")  # perf/mfu/actor_infer: no pass ran (not a 0 placeholder)
+
+
+def _decide(trainer: Any, rows: int, elsewhere: str | None) -> bool | None:
+    """The hook's answer for a batch of ``rows`` (``True``: compute, ``False``: skip, ``None``: deferred)."""
+    from grpo_patches.plugins import hook
+    from grpo_patches.recompute import explain
+
+    actor = trainer.config.actor_rollout_ref.actor
+    n = int(_get(trainer.config, "actor_rollout_ref.rollout.n", 1))
+    mini = max(int(actor.ppo_mini_batch_size) * n, 1)  # global rows per mini-batch (all ranks)
+    consumptions = -(-rows // mini) * int(actor.get("ppo_epochs", 1))
+    compute = hook().grpo_recompute_old_logps(framework="verl", consumptions_left=consumptions, window_steps_left=1,
+                                              needed_elsewhere=elsewhere is not None)
+    why = explain(bool(compute) if compute is not None else True, consumptions, 1, elsewhere is not None)
+    if compute is None:
+        why = "a plugin deferred"
+    api.note("verl", "old_logprob_pass", f"{why}{f' ({elsewhere})' if elsewhere else ''}", owner=trainer)
+    return compute
+
+
+def _v1_needed_elsewhere(trainer: Any) -> str | None:
+    config = trainer.config
+    if _get(config, "algorithm.use_kl_in_reward", False):
+        return "algorithm.use_kl_in_reward reads them"
+    correction = _get(config, "algorithm.rollout_correction", None)
+    if correction is not None and any(_get(correction, k, None) for k in ("rollout_is", "rollout_rs", "bypass_mode")):
+        return "rollout correction (algorithm.rollout_correction) reads them"
+    if _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        return "the rollout log-prob debug metrics read them (rollout.calculate_log_probs)"
+    if _get(config, "actor_rollout_ref.actor.calculate_sum_pi_squared", False):
+        return "actor.calculate_sum_pi_squared (the optimal-token-baseline estimators)"
+    return None
+
+
+def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of 0.9's v1 ``PPOTrainer._compute_old_log_prob(batch, metrics) -> batch``.
+
+    Skipped: ``old_log_probs`` in the TransferQueue is a zero placeholder the actor never reads
+    (the batch is marked in ``extra_info``), no ``entropy`` field and no ``actor/entropy`` metric
+    here: the actor's update logs ``actor/entropy`` from its own forward."""
+    options = api.active_options("verl")
+    if options is None or not options.logprob_skip or instance is None:
+        return wrapped(*args, **kwargs)
+    batch = args[0] if args else kwargs["batch"]
+    elsewhere = _v1_needed_elsewhere(instance)
+    if _decide(instance, len(batch), elsewhere) is not False:
+        return wrapped(*args, **kwargs)
+    import torch
+    from tensordict import TensorDict
+    from verl.trainer.ppo.v1 import trainer_base
+
+    tq = trainer_base.tq
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
+    mask = data["response_mask"]
+    placeholder = torch.zeros_like(mask, dtype=torch.float32)  # never read: the loss uses log_prob.detach()
+    batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                            fields=TensorDict({"old_log_probs": placeholder}, batch_size=data.batch_size))
+    batch.extra_info[MARK] = True
+    verl_metrics.report(None, old_logprob_passes_skipped=1)
+    return batch
 
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -164,16 +247,16 @@ def _log_entropy(out: dict, config: Any, data: Any, captured: list) -> None:
         out["actor/entropy" + verl_metrics.KEPT_ROWS] = value
 
 
-def _gather(t: Any) -> Any:
+def _gather(t: Any, group: Any = None) -> Any:
     """All ranks' rows (ranks may hold different row counts after the filter)."""
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     sizes = [None] * world
-    dist.all_gather_object(sizes, int(t.shape[0]))
+    dist.all_gather_object(sizes, int(t.shape[0]), group=group)
     padded = torch.zeros((max(sizes), *t.shape[1:]), dtype=t.dtype)
     padded[: t.shape[0]] = t
     parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])

@@ -79,6 +79,19 @@ def need_reference_policy(wrapped: Callable[..., Any], instance: Any, args: tupl
     return needed
 
 
+def add_ref_policy_worker(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of 0.6's ``TaskRunner.add_ref_policy_worker(config, cls)``: 0.6 decides the
+    reference model from the role mapping this fills, so the role is taken out again."""
+    out = wrapped(*args, **kwargs)
+    config = args[0] if args else kwargs.get("config")
+    if instance is not None and config is not None and skip_reference(config):
+        from verl.trainer.ppo.utils import Role
+
+        instance.role_worker_mapping.pop(Role.RefPolicy, None)
+        instance.mapping.pop(Role.RefPolicy, None)
+    return out
+
+
 def _zero_coefficient(config: Any) -> bool:
     return bool(getattr(config, "use_kl_loss", False)) and float(getattr(config, "kl_loss_coef", 0.0)) == 0.0
 

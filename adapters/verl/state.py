@@ -17,10 +17,13 @@ class ActorState:
         rows get a no-grad forward so every metric stays verl's: ``dropped_rows_metrics=True``).
     :ivar decided: ``filter_mode`` was decided.
     :ivar totals: running totals of the counters reported in verl's metrics.
+    :ivar tiled: the tiled lm-head loss runs for this actor (decided once: ``tiled_decided``).
     """
 
     filter_mode: str | None = None
     decided: bool = False
+    tiled: bool = False
+    tiled_decided: bool = False
     totals: dict[str, float] = field(default_factory=dict)
 
 

@@ -89,7 +89,8 @@ def tiled_grpo_loss(
         ``sapo_temperature_pos/neg``, ``vespo_k_pos/lambda_pos/k_neg/lambda_neg``,
         ``importance_sampling_level`` (token/sequence), ``log_ratio_clamp``,
         ``off_policy_mask_threshold``, ``beta`` (KL coefficient, 0), ``kl_estimator``
-        (k1/k2/k3), ``kl_clamp``, ``kl_ratio_correction`` (TRL use_bias_correction_kl),
+        (k1/k2/k3, or a callable ``(logps, ref_logps) -> per-token KL``), ``kl_clamp``,
+        ``kl_ratio_correction`` (TRL use_bias_correction_kl),
         ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``logit_scale``
         (multiplier of the raw logits, 1.0: Cohere's ``logit_scale``, Granite's
         ``1 / logits_scaling``), ``logit_softcap`` (Gemma-2's ``final_logit_softcapping``;

@@ -52,8 +52,12 @@ def row_sum(x: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
     return sums[inputs.row]
 
 
-def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str) -> torch.Tensor:
-    """KL(pi || ref) per token: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1."""
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator) -> torch.Tensor:
+    """KL(pi || ref) per token: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1,
+    or ``estimator(logps, ref_logps)`` for a callable (elementwise, differentiable in ``logps``:
+    e.g. verl's own ``kl_penalty`` with its clamps and straight-through variants)."""
+    if callable(estimator):
+        return estimator(logps, ref_logps)
     if estimator == "k1":
         return logps - ref_logps
     if estimator == "k2":

@@ -62,7 +62,7 @@ class LossOptions:
     log_ratio_clamp: float | None = None
     off_policy_mask_threshold: float | None = None
     beta: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: Any = "k3"  # "k1" / "k2" / "k3", or a callable (logps, ref_logps) -> per-token KL
     kl_clamp: float | None = None
     kl_ratio_correction: bool = False
     entropy_coef: float = 0.0
@@ -139,7 +139,8 @@ def resolve_options(**kwargs: Any) -> LossOptions:
     _choice("aggregation", opts.aggregation, AGGREGATIONS)
     if opts.entropy_aggregation is not None:
         _choice("entropy_aggregation", opts.entropy_aggregation, AGGREGATIONS)
-    _choice("kl_estimator", opts.kl_estimator, KL_ESTIMATORS)
+    if not callable(opts.kl_estimator):  # a callable: a framework's own elementwise estimator
+        _choice("kl_estimator", opts.kl_estimator, KL_ESTIMATORS)
     _choice("importance_sampling_level", opts.importance_sampling_level, IS_LEVELS)
     if opts.objective == "cispo" and opts.cispo_max_ratio is None:
         raise OptionError("objective='cispo' needs cispo_max_ratio (TRL passes epsilon_high, e.g. 5.0)")
