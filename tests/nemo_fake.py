@@ -445,9 +445,8 @@ class _Worker:
         return _metrics(all_mb_metrics, losses)
 
     def get_logprobs(self, data):
-        for mb in data.make_microbatch_iterator(data.size):  # NeMo-RL micro-batches get_logprobs too
-            pass
-        return BatchedDataDict({"logprobs": _logprobs(self, data)})
+        mbs = self.cfg["logprob_batch_size"]
+        return BatchedDataDict({"logprobs": torch.cat([_logprobs(self, mb) for mb in data.make_microbatch_iterator(mbs)])})
 
 
 DTensorPolicyWorkerV2 = ray_remote(_Worker)
@@ -491,8 +490,9 @@ class DTensorPolicyWorkerV2Impl:
         return _metrics(all_mb_metrics, losses)
 
     def get_logprobs(self, data, micro_batch_size=None):
-        get_microbatch_iterator(data, self.cfg, data.size, self.dp_mesh, tokenizer=None)  # shared with train
-        return BatchedDataDict({{"logprobs": _logprobs(self, data)}})
+        iterator, _ = get_microbatch_iterator(data, self.cfg, self.cfg["logprob_batch_size"], self.dp_mesh,
+                                              tokenizer=None)  # the same name train() uses
+        return BatchedDataDict({{"logprobs": torch.cat([_logprobs(self, mb.data_dict) for mb in iterator])}})
 
 
 DTensorPolicyWorkerV2 = ray_remote(type("DTensorPolicyWorkerV2", (DTensorPolicyWorkerV2Impl,), {{}}))
@@ -761,8 +761,8 @@ def master_config(tag: str, *, loss: dict | None = None, grpo: dict | None = Non
                 "ratio_clip_c": None, "token_level_loss": True, **(loss or {})}
     grpo_cfg = {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "seq_logprob_error_threshold": None,
                 **(grpo or {})}
-    policy_cfg = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "dynamic_batching": {"enabled": False},
-                  **(policy or {})}
+    policy_cfg = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 4,
+                  "dynamic_batching": {"enabled": False}, **(policy or {})}
     if tag in ("v0.5.0", "v0.6.0"):
         return {"loss_fn": loss_cfg, "grpo": grpo_cfg, "policy": policy_cfg}
     # pydantic models from v0.7.0: every field has a default

@@ -36,6 +36,7 @@ def _both(tag: str, factory: Factory, batch: dict, options: dict, loss: dict | N
     worker_kw = worker_kw or {}
     make = lambda: factory(tag, gbs, mbs, **worker_kw)  # noqa: E731
     base = run_train(tag, batch, make_loss(tag, **(loss or {})), make, micro_batches)
+    savings.reset("nemo_rl")
     grpo_patches.enable("nemo_rl", **options)
     try:
         patched = run_train(tag, batch, make_loss(tag, **(loss or {})), make, micro_batches)
@@ -58,14 +59,14 @@ FILTER_CASES = {
 }
 
 
-def filter_matches_upstream(tag: str, factory: Factory, case: str, record_property: Callable) -> None:
+def filter_matches_upstream(tag: str, factory: Factory, case: str, record_property: Callable, label: str = "") -> None:
     gbs, mbs, rows, loss, micro = FILTER_CASES[case]
     batch = make_batch(rows=rows)
     zero = [r for r in ZERO_ROWS if r < rows]
     base, patched = _both(tag, factory, batch, {"zero_advantage_filter": True}, loss, gbs=gbs, mbs=mbs,
                           micro_batches=micro)
     diff = max_grad_rel(patched, base)
-    record_property(f"exact_filter_{case}_grad_rel", diff)
+    record_property(f"exact_filter_{label}{case}_grad_rel", diff)
     assert diff <= TOL, diff
     assert base.rows_forwarded == rows
     assert patched.rows_forwarded == rows - len(zero)

@@ -167,7 +167,7 @@ def max_grad_rel(a: TrainRun, b: TrainRun) -> float:
 
 
 def summed(metrics: dict[str, list]) -> dict[str, float]:
-    """NeMo-RL's aggregation of the per-micro-batch lists (grpo_train: min / max / sum)."""
+    """NeMo-RL's aggregation of the per-micro-batch lists (grpo_train: min / max / mean / sum)."""
     out = {}
     for key, values in metrics.items():
         finite = [float(v) for v in values if abs(float(v)) != float("inf")]
@@ -175,6 +175,8 @@ def summed(metrics: dict[str, list]) -> dict[str, float]:
             out[key] = min(finite) if finite else float("nan")
         elif "_max" in key:
             out[key] = max(finite) if finite else float("nan")
+        elif key in ("lr", "wd", "global_valid_seqs", "global_valid_toks"):
+            out[key] = float(sum(float(v) for v in values)) / max(len(values), 1)
         else:
             out[key] = float(sum(float(v) for v in values))
     return out

@@ -68,3 +68,20 @@ def test_tiled_with_the_filter(fake_nemo, tag, record_property):
 def test_tiled_refuses_or_steps_aside(fake_nemo, tag):
     fake_nemo(tag)
     cases.tiled_refuses_or_steps_aside(tag, fake_worker)
+
+
+def test_v050_filter_acts_only_inside_the_v2_workers_train(fake_nemo):
+    """v0.5.0's filter wraps ``BatchedDataDict`` (shared by every worker): another worker's
+    ``train()`` with a policy-gradient loss must still get every row."""
+    import grpo_patches
+    from tests.nemo_worker_harness import batched, make_batch, make_loss
+
+    fake_nemo("v0.5.0")
+    grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
+    worker, loss_fn, batch = fake_worker("v0.5.0", 12, 4), make_loss("v0.5.0"), batched(make_batch())
+
+    def train(self, loss_fn, batch):  # a train() defined outside dtensor_policy_worker_v2.py
+        eval_mode, num_global_batches = False, 1  # noqa: F841  (what the v2 worker's frame holds)
+        return list(batch.make_microbatch_iterator(4))
+
+    assert sum(mb.size for mb in train(worker, loss_fn, batch)) == 12
