@@ -88,7 +88,7 @@ def zero_weight(data: Any, row: int, length: int | None = None) -> Any:
 
 @dataclass
 class Layout:
-    """The micro-batches of one global batch, in order, and how many are real."""
+    """The micro-batches of one global batch: trained (kept rows, then DP pads), then metrics-only."""
 
     microbatches: list[Any] = field(default_factory=list)
     metrics_only: list[Any] = field(default_factory=list)
