@@ -116,6 +116,18 @@ def filter_refuses_or_steps_aside(tag: str, factory: Factory) -> None:
                                                              "loss_fn.reference_policy_kl_penalty == 0")
 
 
+def filter_steps_aside_for_the_nll_term(tag: str, factory: Factory) -> None:
+    """v0.7.0+: ``positive_example_nll_weight`` normalises by each micro-batch's own count, so
+    ``True`` refuses it (naming it) and ``"auto"`` leaves every row in."""
+    batch = make_batch()
+    loss = {"positive_example_nll_weight": 0.5}
+    with pytest.raises(IncompatibleOptionsError, match=r"loss_fn\.positive_example_nll_weight == 0 \(got 0\.5\)"):
+        _both(tag, factory, batch, {"zero_advantage_filter": True}, loss, gbs=12, mbs=4)
+    base, patched = _both(tag, factory, batch, {"zero_advantage_filter": "auto"}, loss, gbs=12, mbs=4)
+    assert max_grad_rel(patched, base) == 0.0 and patched.rows_forwarded == 12
+    assert "positive_example_nll_weight" in patched.notes["zero_advantage_filter"]
+
+
 def eval_mode_and_logprobs_see_every_row(tag: str, factory: Factory) -> None:
     from tests.nemo_worker_harness import batched
 

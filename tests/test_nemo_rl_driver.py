@@ -189,3 +189,16 @@ def test_filter_true_with_a_kl_penalty_fails_in_setup(fake_nemo):
                                                        r"loss_fn.reference_policy_kl_penalty == 0 \(got 0.1\)"):
         _run("v0.7.0", {"zero_advantage_filter": True}, loss={"reference_policy_kl_penalty": 0.1})
     assert savings.totals("nemo_rl") == {}
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_async_loop_keeps_the_prev_pass_and_says_so(fake_nemo, tag):
+    """The async loop is never provably on-policy: it runs as it is, and status() says why."""
+    fake_nemo(tag)
+    from nemo_rl.algorithms import grpo as grpo_module
+
+    grpo_patches.enable("nemo_rl", zero_advantage_filter=False)
+    assert grpo_module.async_grpo_train() == "async loop ran"
+    note = grpo_patches.status()["nemo_rl"]["notes"]["prev_logprobs"]
+    assert note.startswith("runs: async_grpo_train trains on trajectories that older weights may have generated")
+    assert "old_logprob_passes_skipped" not in grpo_patches.status()["nemo_rl"]["savings"]

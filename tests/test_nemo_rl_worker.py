@@ -39,6 +39,12 @@ def test_filter_refuses_or_steps_aside(fake_nemo, tag):
     cases.filter_refuses_or_steps_aside(tag, fake_worker)
 
 
+@pytest.mark.parametrize("tag", ["v0.7.0", "main"])
+def test_filter_steps_aside_for_the_nll_term(fake_nemo, tag):
+    fake_nemo(tag)
+    cases.filter_steps_aside_for_the_nll_term(tag, fake_worker)
+
+
 @pytest.mark.parametrize("tag", TAGS)
 def test_eval_mode_and_logprobs_see_every_row(fake_nemo, tag):
     fake_nemo(tag)

@@ -14,6 +14,7 @@ Driver:
 - ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
   ``Policy.get_logprobs`` (V05, V06) and v0.6.0's ``compute_and_apply_seq_logprob_error_masking``:
   the prev-logprob pass skipped when provably on-policy (:mod:`.prev_logprobs`).
+- ``grpo.async_grpo_train`` (``logprob_skip``): only reported (never provably on-policy).
 - ``Policy.train`` (always): checked on every call, flags the loss, collects the workers'
   counters (:mod:`.train_call`).
 - ``Logger.log_metrics`` / ``log_batched_dict_as_jsonl`` / ``log_plot_token_mult_prob_error``
@@ -59,6 +60,7 @@ PATCHES = (
     PatchTarget(POLICY, "Policy.get_reference_policy_logprobs", f"{_H}.reference:reference_logprobs_wrapper",
                 versions=V05_V06, option=SKIP),
     PatchTarget(GRPO, "grpo_train", f"{_H}.prev_logprobs:grpo_train_wrapper", option=SKIP),
+    PatchTarget(GRPO, "async_grpo_train", f"{_H}.prev_logprobs:async_train_wrapper", option=SKIP),
     PatchTarget("nemo_rl.algorithms.opd", "_skip_prev_logprobs", f"{_H}.prev_logprobs:skip_predicate_wrapper",
                 versions=V07_UP, option=SKIP),
     PatchTarget(POLICY, "Policy.get_logprobs", f"{_H}.prev_logprobs:get_logprobs_wrapper", versions=V05_V06,

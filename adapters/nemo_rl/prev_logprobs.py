@@ -112,6 +112,17 @@ def grpo_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, 
         ACTIVE_LOOP.reset(token)
 
 
+def async_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.async_grpo_train``: generation runs ahead of training there, so a trajectory may come
+    from older weights than the step that consumes it: never provably on-policy, the pass runs.
+    Patched only so that ``status()`` says so instead of saying nothing."""
+    options = api.active_options(FRAMEWORK)
+    if options is not None and options.logprob_skip:
+        api.note(FRAMEWORK, "prev_logprobs", "runs: async_grpo_train trains on trajectories that older weights may "
+                                             "have generated (not provably on-policy)")
+    return wrapped(*args, **kwargs)
+
+
 def skip_predicate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``opd._skip_prev_logprobs(master_config)`` (v0.7.0+), asked once per step by ``grpo_train``."""
     upstream = wrapped(*args, **kwargs)
