@@ -53,6 +53,11 @@ def test_filter_refuses_or_steps_aside():
     cases.filter_refuses_or_steps_aside(TAG, harness.real_worker)
 
 
+@pytest.mark.skipif(TAG in ("v0.5.0", "v0.6.0"), reason="positive_example_nll_weight is new in v0.7.0")
+def test_filter_steps_aside_for_the_nll_term():
+    cases.filter_steps_aside_for_the_nll_term(TAG, harness.real_worker)
+
+
 def test_eval_mode_and_logprobs_see_every_row():
     cases.eval_mode_and_logprobs_see_every_row(TAG, harness.real_worker)
 
