@@ -51,3 +51,16 @@ def test_tiled_loss_needs_v060(fake_nemo):
         grpo_patches.enable("nemo_rl", tiled_loss=True)
     grpo_patches.enable("nemo_rl", tiled_loss="auto")
     assert grpo_patches.status()["nemo_rl"]["notes"]["tiled_loss"].startswith("off: tiled_loss needs nemo_rl >=0.6.0")
+
+
+def test_the_real_source_tests_leave_torch_alone_without_a_source():
+    """The main suite collects tests/compat_nemo_rl too: without a NeMo-RL source they must skip
+    before installing their CPU shim, or every later test (TRL's) runs on a patched torch."""
+    import sys
+
+    import torch
+
+    sys.modules.pop("tests.compat_nemo_rl.test_real_loss", None)
+    with pytest.raises(pytest.skip.Exception, match="no NeMo-RL source"):
+        importlib.import_module("tests.compat_nemo_rl.test_real_loss")
+    assert not getattr(torch, "_grpo_patches_cpu_shim", False)

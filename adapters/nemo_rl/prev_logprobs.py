@@ -119,7 +119,8 @@ def async_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple,
     options = api.active_options(FRAMEWORK)
     if options is not None and options.logprob_skip:
         api.note(FRAMEWORK, "prev_logprobs", "runs: async_grpo_train trains on trajectories that older weights may "
-                                             "have generated (not provably on-policy)")
+                                             "have generated (not provably on-policy; NeMo-RL >= 0.7.0 skips it "
+                                             "itself only under loss_fn.force_on_policy_ratio)")
     return wrapped(*args, **kwargs)
 
 
