@@ -32,6 +32,9 @@ class Cell:
     torch: str | None = None  # a torch other than constraints.txt's (no CPU wheel for that Python)
     ci: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    submodules: tuple[dict[str, str], ...] = ()  # packages pinned as git submodules of the source (see sources.py)
+    reads_as: str | None = None  # the version the adapter reads from this source (a tag's own number may differ)
+    venv_env: str | None = None  # a variable that may name a ready venv with the cell's packages (not installed then)
 
     @property
     def name(self) -> str:
@@ -39,6 +42,16 @@ class Cell:
 
     def tests_for(self, tier: str) -> tuple[str, ...]:
         return self.tests + (self.gpu_tests if tier == "gpu" else ())
+
+    @property
+    def adapter_version(self) -> str:
+        """The version the adapter sees for this cell (``reads_as``, else the tag without its ``v``)."""
+        return self.reads_as or self.version.lstrip("v")
+
+    def ready_venv(self) -> str | None:
+        """The ready venv ``venv_env`` names, when it is set and exists."""
+        path = os.environ.get(self.venv_env) if self.venv_env else None
+        return path if path and os.path.isdir(path) else None
 
     def missing_source(self) -> str | None:
         """Why this cell cannot run here (``None`` when it can)."""
@@ -67,6 +80,9 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     torch=entry.get("torch", spec.get("torch")),
                     ci=bool(entry.get("ci", False)),
                     env=dict(entry.get("env", spec.get("env", {}))),
+                    submodules=tuple(spec.get("submodules", ())),
+                    reads_as=entry.get("reads_as"),
+                    venv_env=entry.get("venv_env", spec.get("venv_env")),
                 )
             )
     return cells

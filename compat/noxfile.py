@@ -62,6 +62,26 @@ def _constraints(session: nox.Session, cell: Cell) -> str:
     return str(path)
 
 
+READY_PTH = "_compat_ready_venv.pth"
+
+
+def _layer_on(session: nox.Session, ready: str) -> None:
+    """Let the session's venv see a ready venv's packages (``venv_env``), nothing installed into
+    that one: a ``.pth`` appends its site-packages after the session's own."""
+    sites = sorted(Path(ready).glob("lib/python3*/site-packages"))
+    if not sites:
+        session.error(f"{ready}: no lib/python3*/site-packages (is it a virtual environment?)")
+    purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                          silent=True).strip().splitlines()[-1]
+    (Path(purelib) / READY_PTH).write_text(f"import site; site.addsitedir({str(sites[0])!r})\n")
+
+
+def _layer_off(session: nox.Session) -> None:
+    """A reused session venv forgets a ready venv it was layered on before."""
+    for path in Path(session.virtualenv.location).glob(f"lib/python3*/site-packages/{READY_PTH}"):
+        path.unlink()
+
+
 def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     junit = RESULTS / f"{tier}-{cell.name}.xml"
     junit.unlink(missing_ok=True)
@@ -71,22 +91,33 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     if why:
         _record(cell, tier, status="skipped", reason=why)
         session.skip(why)
-    pins = _constraints(session, cell)
-    session.install("-c", pins, "torch")
-    if cell.no_deps:
-        session.install("-c", pins, "--no-deps", *cell.no_deps)
-    extra = cell.gpu_install if tier == "gpu" else ()
-    session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
+    ready = cell.ready_venv()
+    if ready:
+        _layer_on(session, ready)
+        session.install("pytest")
+    else:
+        _layer_off(session)
+        pins = _constraints(session, cell)
+        session.install("-c", pins, "torch")
+        if cell.no_deps:
+            session.install("-c", pins, "--no-deps", *cell.no_deps)
+        extra = cell.gpu_install if tier == "gpu" else ()
+        session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
     session.install("--no-deps", "-e", str(ROOT))
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_PATCHES_TIER": tier, **cell.env}
+    source = None
     if cell.source_env:
-        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in prepare_source(cell))
+        paths = prepare_source(cell)
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
+        source = ", ".join(p.name for p in paths)
     installed = session.run("python", "-m", "pip", "list", "--format=json", silent=True, env=env) or "[]"
     versions = {p["name"].lower(): p["version"] for p in json.loads(installed)}
+    versions[cell.framework] = versions.get(cell.framework) or source
     session.chdir(ROOT)
     if "--install-only" in sys.argv:  # preparing the venv (e.g. for benchmarks/frameworks.py): no result
         return
-    _record(cell, tier, status="ran", installed={k: versions.get(k) for k in ("torch", "transformers", cell.framework)})
+    _record(cell, tier, status="ran", installed={k: versions.get(k) for k in ("torch", "transformers", cell.framework)},
+            **({"venv": ready} if ready else {}))
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                 *cell.tests_for(tier), *session.posargs, env=env, external=False)
 
@@ -104,3 +135,25 @@ def _register(cell: Cell, tier: str) -> None:
 for _cell in load():
     for _tier in TIERS:
         _register(_cell, _tier)
+
+#: The Ray test's pins: driver and bare worker venvs must hold the same Ray and Python minor.
+RAY = "2.60.0"
+RAY_PYTHON = "3.11"
+
+
+@nox.session(name="ray-startup", python=_interpreter(RAY_PYTHON), tags=["ci", "ray"])
+def ray_startup(session: nox.Session) -> None:
+    """The start-up directory reaches Ray actors of a venv without grpo_patches (tests/test_ray_startup.py).
+
+    The bare worker venv (ray, wrapt, packaging only) is made once under .cache/ (gitignored)."""
+    session.install("-c", str(CONSTRAINTS), f"ray=={RAY}", "pytest", "pluggy", "wrapt", "packaging")
+    session.install("--no-deps", "-e", str(ROOT))
+    bare = ROOT / ".cache" / f"ray-worker-bare-py{RAY_PYTHON}-ray{RAY}"
+    python = bare / "bin" / "python"
+    if not (bare / ".ready").exists():
+        session.run("python", "-m", "venv", "--clear", str(bare))
+        session.run(str(python), "-m", "pip", "install", "-q", f"ray=={RAY}", "wrapt", "packaging", external=True)
+        (bare / ".ready").write_text(RAY)
+    session.chdir(ROOT)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ray_startup.py",
+                *session.posargs, env={"GRPO_PATCHES_RAY_WORKER_PYTHON": str(python)})

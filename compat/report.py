@@ -103,7 +103,7 @@ def render(results: dict) -> str:
                              f" | | | | | | {entry.get('date', '')} |")
                 continue
             verdict = "pass" if entry["failed"] == 0 and entry["passed"] else "FAIL"
-            installed = ", ".join(f"{k} {v}" for k, v in entry.get("installed", {}).items() if v)
+            installed = ", ".join(f"{k} {v}" for k, v in sorted(entry.get("installed", {}).items()) if v)
             lines.append(f"| {cell.framework} | {cell.version} | {tier} | {verdict} | {entry['passed']} | "
                          f"{entry['failed']} | {entry['skipped']} | {_figures(entry)} | {installed} | {entry['date']} |")
             notes += [f"- {cell.framework} {cell.version} ({tier}): {r}" for r in entry.get("reasons", [])]

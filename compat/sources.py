@@ -2,7 +2,10 @@
 
 A cell of such a framework names the variable holding a user's own clone (``NEMO_RL_SRC``);
 each tag is exported from that clone (``git archive``) into ``compat/.sources/`` (gitignored)
-and put on ``PYTHONPATH``. Nothing of the framework is ever committed here.
+and put on ``PYTHONPATH``. A package the framework pins as a git submodule (NeMo-RL's
+``nemo_automodel``) is exported at the commit the tag records, from the clone its own
+variable names (``AUTOMODEL_SRC``); without it, the tests that need it skip and say so.
+Nothing of the framework is ever committed here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def export(clone: Path, ref: str, paths: list[str], dest: Path) -> Path:
     if dest.is_dir() and any(dest.iterdir()):
         return dest
     dest.mkdir(parents=True, exist_ok=True)
-    git = ["git", f"--git-dir={clone / '.git' if (clone / '.git').exists() else clone}"]
+    git = ["git", f"--git-dir={_git_dir(clone)}"]
     archive = dest / "src.tar"
     subprocess.run([*git, "archive", "-o", str(archive), ref, *paths], check=True)
     with tarfile.open(archive) as tar:
@@ -31,9 +34,31 @@ def export(clone: Path, ref: str, paths: list[str], dest: Path) -> Path:
     return dest
 
 
+def _git_dir(clone: Path) -> str:
+    return str(clone / ".git" if (clone / ".git").exists() else clone)
+
+
+def submodule_commit(clone: Path, ref: str, path: str) -> str:
+    """The commit ``ref`` pins for the submodule at ``path``."""
+    out = subprocess.run(["git", f"--git-dir={_git_dir(clone)}", "ls-tree", ref, path], check=True,
+                         capture_output=True, text=True).stdout.split()
+    if len(out) < 3 or out[1] != "commit":
+        raise ValueError(f"{ref}:{path} is not a submodule in {clone}")
+    return out[2]
+
+
 def prepare_source(cell: Cell) -> list[Path]:
     """The directories to put on ``PYTHONPATH`` for ``cell`` (exported once per tag)."""
     clone = Path(os.environ[cell.source_env]).expanduser()  # type: ignore[index]
     ref = cell.env.get("GIT_REF", cell.version)
     package = cell.env.get("PACKAGE", cell.framework)
-    return [export(clone, ref, [package], SOURCES / f"{cell.framework}-{cell.version}")]
+    commit = subprocess.run(["git", f"--git-dir={_git_dir(clone)}", "rev-parse", f"{ref}^{{commit}}"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    dirs = [export(clone, ref, [package], SOURCES / f"{cell.framework}-{cell.version}-{commit[:7]}")]  # main moves
+    for sub in cell.submodules:
+        other = os.environ.get(sub["source_env"])
+        if not other:
+            continue
+        pinned = submodule_commit(clone, ref, sub["path"])
+        dirs.append(export(Path(other).expanduser(), pinned, [sub["package"]], SOURCES / f"{sub['package']}-{pinned[:7]}"))
+    return dirs

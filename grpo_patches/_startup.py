@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 
-FRAMEWORKS_ENV = "GRPO_PATCHES"
-OPTIONS_ENV = "GRPO_PATCHES_OPTIONS"
+from grpo_patches.startup_path import FRAMEWORKS_ENV, OPTIONS_ENV
 
 
 def run(environ: os._Environ | dict = os.environ) -> list[str]:

@@ -303,6 +303,8 @@ def status() -> dict[str, dict[str, Any]]:
             "savings": savings.totals(name),
             "process": process,
         }
+        if adapter.version_origin is not None and version is not None:
+            entry["version_origin"] = adapter.version_origin()
         if name in _errors:
             entry["error"] = _errors[name]
         state = _enabled.get(name)

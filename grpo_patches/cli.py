@@ -1,9 +1,12 @@
-"""Command line: ``grpo-patches status`` (a table, or ``--json``) and ``grpo-patches demo``."""
+"""Command line: ``grpo-patches status`` (a table, or ``--json``), ``grpo-patches demo``, and the
+start-up path for Ray workers: ``grpo-patches run -- python train.py ...`` / ``grpo-patches env``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from typing import Any, Sequence
 
@@ -20,6 +23,8 @@ def format_status(report: dict[str, dict[str, Any]]) -> str:
         options = entry["options"]
         shown = ", ".join(f"{k}={v}" for k, v in options.items()) if options else "-"
         rows.append((name, entry["installed"] or "-", entry["supported_range"], supported, patched, shown))
+        if entry.get("version_origin"):
+            details.append(f"  {name}: version: {entry['version_origin']}")
         if entry.get("error"):
             details.append(f"  {name}: error: {entry['error']}")
         for record in entry.get("patches", []):
@@ -48,8 +53,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train the embedded tiny model with TRL, patches off and on")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for name, text in (("env", "print the variables that patch every process started from this shell "
+                                "(Ray workers included): the start-up directory on PYTHONPATH"),
+                       ("run", "run a command with those variables (like opentelemetry-instrument)")):
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--frameworks", default=os.environ.get("GRPO_PATCHES") or "all",
+                         help="GRPO_PATCHES: a comma list of frameworks, or all (default: $GRPO_PATCHES or all)")
+        cmd.add_argument("--options", default=os.environ.get("GRPO_PATCHES_OPTIONS", ""),
+                         help="GRPO_PATCHES_OPTIONS, e.g. tiled_loss=1,tile_size=512 (default: $GRPO_PATCHES_OPTIONS)")
+        cmd.add_argument("--dir", default=None,
+                         help="where to build the start-up directory (default: ~/.cache/grpo_patches/startup-<hash>; "
+                              "on several nodes, a shared filesystem)")
+        if name == "run":
+            cmd.add_argument("argv", metavar="command", nargs=argparse.REMAINDER, help="-- the command to run")
+        else:
+            cmd.add_argument("--json", action="store_true", help="print the variables as JSON")
     args = parser.parse_args(argv)
 
+    if args.command in ("env", "run"):
+        return _startup_command(args)
     if args.command == "status":
         from grpo_patches import status
 
@@ -59,6 +81,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     from grpo_patches.demo import run_demo
 
     return run_demo(steps=args.steps, progress=not args.no_progress)
+
+
+def _startup_command(args: argparse.Namespace) -> int:
+    from grpo_patches import startup_path
+    from grpo_patches.errors import GrpoPatchesError
+    from grpo_patches.options import parse_env_options
+
+    try:
+        parse_env_options(args.options)  # a malformed value is an error here, not a warning in every worker
+    except GrpoPatchesError as exc:
+        print(f"grpo-patches {args.command}: --options: {exc}", file=sys.stderr)
+        return 2
+    directory = startup_path.build(args.dir)
+    env = startup_path.environment(directory, args.frameworks, args.options)
+    if args.command == "env":
+        if args.json:
+            print(json.dumps(env, indent=2))
+        else:
+            print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+        return 0
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        print("grpo-patches run: give the command after --, e.g. grpo-patches run -- python train.py", file=sys.stderr)
+        return 2
+    os.execvpe(command[0], command, {**os.environ, **env})
+    return 127  # pragma: no cover - execvpe does not return
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -45,6 +45,8 @@ class Adapter:
         does not hold it (a framework run from a source checkout); returns ``None`` when the
         framework is not installed. Default: ``importlib.metadata.version(distribution)``.
     :ivar description: why the adapter has no records (shown when it cannot be enabled).
+    :ivar version_origin: how ``read_version`` found the number (e.g. a source file, and why
+        it was corrected), shown by ``status()``; ``None`` when the metadata is read.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Adapter:
     optimizations: tuple[str, ...] = OPTIMIZATIONS
     read_version: Callable[[], str | None] | None = None
     description: str = ""
+    version_origin: Callable[[], str | None] | None = None
 
     def installed_version(self) -> Version | None:
         """The installed framework's version, ``None`` when it is not installed."""

@@ -176,16 +176,22 @@ def test_bad_names_and_options_list_the_valid_ones():
 
 
 def test_declared_but_unimplemented_framework_is_refused(monkeypatch):
+    import types
+
     from packaging.version import Version
 
     from grpo_patches import registry
 
-    adapter = registry.get("nemo_rl")
+    module = types.ModuleType("planned_adapter")
+    module.ADAPTER = registry.Adapter(name="planned", distribution="planned", supported=">=0.7", patches=(),
+                                      description="adapter not implemented yet (see the notes)")
+    monkeypatch.setitem(sys.modules, "planned_adapter", module)
+    monkeypatch.setitem(registry.BUILTIN, "planned", "planned_adapter")
     monkeypatch.setattr(registry.Adapter, "installed_version", lambda self: Version("0.7.1"))
-    with pytest.raises(UnsupportedFrameworkError, match="nemo_rl 0.7.1: adapter not implemented yet"):
-        grpo_patches.enable("nemo_rl")
-    assert adapter.targets(Version("0.7.1")) == []
-    assert grpo_patches.status()["nemo_rl"]["reason"].startswith("adapter not implemented yet")
+    with pytest.raises(UnsupportedFrameworkError, match="planned 0.7.1: adapter not implemented yet"):
+        grpo_patches.enable("planned")
+    assert module.ADAPTER.targets(Version("0.7.1")) == []
+    assert grpo_patches.status()["planned"]["reason"].startswith("adapter not implemented yet")
 
 
 def test_enable_all_only_touches_installed_supported_frameworks(fakefw):

@@ -17,6 +17,7 @@ import torch
 import grpo_patches
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 from grpo_patches.plugins import hook
+from grpo_patches.adapters.nemo_rl.settings import DENOMINATORS as NEMO_RL_DENOMINATORS
 from grpo_patches.adapters.trl.loss_types import denominator as trl_denominator
 from grpo_patches.adapters.verl.loss_modes import denominator as verl_denominator
 from grpo_patches.zero_advantage import (
@@ -70,8 +71,10 @@ CASES = {
         "verl", "seq-mean-token-mean", verl_denominator("engine", "seq-mean-token-mean"),
         lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS
     ),
-    "nemo_rl-token": ("nemo_rl", "token", "fixed", lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
-    "nemo_rl-sequence": ("nemo_rl", "sequence", "fixed", lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS),
+    "nemo_rl-token": ("nemo_rl", "TOKEN_LEVEL", NEMO_RL_DENOMINATORS["TOKEN_LEVEL"],
+                      lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
+    "nemo_rl-sequence": ("nemo_rl", "SEQUENCE_LEVEL", NEMO_RL_DENOMINATORS["SEQUENCE_LEVEL"],
+                         lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS),
 }
 
 

@@ -1,0 +1,101 @@
+"""NeMo-RL adapter: GRPO in NeMo-RL v0.5.0, v0.6.0, v0.7.0 and main, run from a source checkout.
+
+The version is read from the source (:mod:`.version`; main reports ``0.8.0.dev0``).
+:data:`PATCHES` is the adapter's one patch table; each record narrows the supported range to
+the tag lines whose code it fits (``V05`` = v0.5.0, ``V06`` = v0.6.0, ``V07`` = v0.7.0 and
+main). Driver records act in the process that runs ``grpo_train``; worker records act in the
+Ray workers, which get grpo_patches through the start-up directory (``grpo-patches run``).
+
+Driver:
+
+- ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`).
+- ``Policy.__init__``, ``Policy.get_reference_policy_logprobs`` (V05, V06; ``logprob_skip``):
+  no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
+- ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
+  ``Policy.get_logprobs`` (V05, V06) and v0.6.0's ``compute_and_apply_seq_logprob_error_masking``:
+  the prev-logprob pass skipped when provably on-policy (:mod:`.prev_logprobs`).
+- ``grpo.async_grpo_train`` (``logprob_skip``): only reported (never provably on-policy).
+- ``Policy.train`` (always): checked on every call, flags the loss, collects the workers'
+  counters (:mod:`.train_call`).
+- ``Logger.log_metrics`` / ``log_batched_dict_as_jsonl`` / ``log_plot_token_mult_prob_error``
+  (``logprob_skip``): no zero placeholder logged as if real (:mod:`.honest_logs`).
+
+Workers:
+
+- ``ClippedPGLossFn.__call__`` (one record per tag line, always): prev log-probs of a skipped
+  pass, honest metrics under the filter (:mod:`.loss_call`).
+- ``DTensorPolicyWorkerV2Impl.train`` (V06+, always): per-call decisions (:mod:`.worker_train`).
+- ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
+  (V06+, ``zero_advantage_filter``): :mod:`.filter`; ``BatchedDataDict`` micro-batch iterators
+  (V05): :mod:`.filter_v050`.
+- ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
+  ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
+  :mod:`.tiled`.
+"""
+
+from __future__ import annotations
+
+from grpo_patches.patching import PatchTarget
+from grpo_patches.registry import Adapter
+
+from .version import origin, read_version
+
+_H = "grpo_patches.adapters.nemo_rl"
+V05, V06, V05_V06, V06_UP, V07_UP = "<0.6.0", ">=0.6.0,<0.7.0", "<0.7.0", ">=0.6.0", ">=0.7.0"
+GRPO = "nemo_rl.algorithms.grpo"
+POLICY = "nemo_rl.models.policy.lm_policy"
+LOGGER = "nemo_rl.utils.logger"
+WORKER = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2"
+TRAIN = "nemo_rl.models.automodel.train"
+BATCH = "nemo_rl.distributed.batched_data_dict"
+LOSS_V05 = "nemo_rl.algorithms.loss_functions"
+LOSS = "nemo_rl.algorithms.loss.loss_functions"
+SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
+
+#: Every patch record of the NeMo-RL adapter (module, attribute, wrapper, versions, option).
+PATCHES = (
+    # driver
+    PatchTarget(GRPO, "setup", f"{_H}.driver_setup:setup_wrapper"),
+    PatchTarget(POLICY, "Policy.__init__", f"{_H}.reference:policy_init_wrapper", versions=V05_V06, option=SKIP),
+    PatchTarget(POLICY, "Policy.get_reference_policy_logprobs", f"{_H}.reference:reference_logprobs_wrapper",
+                versions=V05_V06, option=SKIP),
+    PatchTarget(GRPO, "grpo_train", f"{_H}.prev_logprobs:grpo_train_wrapper", option=SKIP),
+    PatchTarget(GRPO, "async_grpo_train", f"{_H}.prev_logprobs:async_train_wrapper", option=SKIP),
+    PatchTarget("nemo_rl.algorithms.opd", "_skip_prev_logprobs", f"{_H}.prev_logprobs:skip_predicate_wrapper",
+                versions=V07_UP, option=SKIP),
+    PatchTarget(POLICY, "Policy.get_logprobs", f"{_H}.prev_logprobs:get_logprobs_wrapper", versions=V05_V06,
+                option=SKIP),
+    PatchTarget(GRPO, "compute_and_apply_seq_logprob_error_masking", f"{_H}.prev_logprobs:seq_error_metrics_wrapper",
+                versions=V06, option=SKIP),
+    PatchTarget(POLICY, "Policy.train", f"{_H}.train_call:train_wrapper"),
+    PatchTarget(LOGGER, "Logger.log_metrics", f"{_H}.honest_logs:log_metrics_wrapper", option=SKIP),
+    PatchTarget(LOGGER, "Logger.log_batched_dict_as_jsonl", f"{_H}.honest_logs:log_jsonl_wrapper", option=SKIP),
+    PatchTarget(LOGGER, "Logger.log_plot_token_mult_prob_error", f"{_H}.honest_logs:log_plot_wrapper", option=SKIP),
+    # workers
+    PatchTarget(LOSS_V05, "ClippedPGLossFn.__call__", f"{_H}.loss_call:call_v050", versions=V05),
+    PatchTarget(LOSS, "ClippedPGLossFn.__call__", f"{_H}.loss_call:call_v060", versions=V06),
+    PatchTarget(LOSS, "ClippedPGLossFn.__call__", f"{_H}.loss_call:call_v070", versions=V07_UP),
+    PatchTarget(WORKER, "DTensorPolicyWorkerV2Impl.train", f"{_H}.worker_train:train_wrapper", versions=V06_UP),
+    PatchTarget(WORKER, "get_microbatch_iterator", f"{_H}.filter:microbatch_iterator_wrapper", versions=V06_UP,
+                option=FILTER),
+    PatchTarget(BATCH, "BatchedDataDict.make_microbatch_iterator", f"{_H}.filter_v050:microbatch_iterator_wrapper",
+                versions=V05, option=FILTER),
+    PatchTarget(BATCH, "BatchedDataDict.make_microbatch_iterator_with_dynamic_shapes",
+                f"{_H}.filter_v050:dynamic_iterator_wrapper", versions=V05, option=FILTER),
+    PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.tiled:forward_wrapper", versions=V06_UP, option=TILED),
+    PatchTarget(TRAIN, "apply_temperature_scaling", f"{_H}.tiled:temperature_wrapper", versions=V06_UP, option=TILED),
+    PatchTarget(TRAIN, "LossPostProcessor.__call__", f"{_H}.tiled:loss_post_processor_wrapper", versions=V06_UP,
+                option=TILED),
+    # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
+    PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter:metrics_only_forward_wrapper",
+                versions=V06_UP, option=FILTER),
+)
+
+ADAPTER = Adapter(
+    name="nemo_rl",
+    distribution="nemo-rl",
+    supported=">=0.5.0rc0,<0.9",
+    patches=PATCHES,
+    read_version=read_version,
+    version_origin=origin,
+)

@@ -1,0 +1,117 @@
+"""``grpo.setup`` on the driver: decisions and checks made once, before anything is built.
+
+* The reference model and pass (:mod:`.reference`): decided here through the
+  ``grpo_skip_reference_pass`` hook; v0.5.0 / v0.6.0 then build the policy without it.
+* The Ray workers get grpo_patches only through the start-up directory (``grpo-patches run``)
+  and their options only from ``GRPO_PATCHES_OPTIONS``: options given to ``enable()`` in the
+  driver that the workers would not get are an error here, naming the fix.
+* ``zero_advantage_filter=True`` / ``tiled_loss=True`` with a loss configuration they cannot
+  reproduce exactly raise here (the workers decide again on every train call, from the loss
+  object they receive; with ``"auto"`` they switch themselves off and say why).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+from grpo_patches import api
+from grpo_patches.errors import GrpoPatchesError, IncompatibleOptionsError, OptionError
+from grpo_patches.options import Options, parse_env_options
+from grpo_patches.startup_path import FRAMEWORKS_ENV, OPTIONS_ENV, STARTUP_DIR_ENV
+
+from . import reference, version
+from .calls import arguments
+from .settings import gradient_terms, setting
+from .state import FRAMEWORK
+from .tiled_support import unsupported_loss_settings
+
+#: Options that act in the workers (they read them from ``GRPO_PATCHES_OPTIONS``).
+WORKER_OPTIONS = ("zero_advantage_filter", "tiled_loss", "tile_size", "dropped_rows_metrics")
+
+
+def workers_reached(environ: Any = os.environ) -> tuple[bool, str]:
+    """Whether Ray workers started from this environment get grpo_patches, and why."""
+    names = {n.strip() for n in environ.get(FRAMEWORKS_ENV, "").split(",")}
+    if not names & {FRAMEWORK, "all"}:
+        return False, f"{FRAMEWORKS_ENV} does not name {FRAMEWORK}"
+    startup = environ.get(STARTUP_DIR_ENV)
+    if not startup or startup not in environ.get("PYTHONPATH", "").split(os.pathsep):
+        return False, "no grpo_patches start-up directory on PYTHONPATH"
+    return True, f"through the start-up directory {startup} on PYTHONPATH"
+
+
+def check_worker_options(options: Options, environ: Any = os.environ) -> None:
+    """Raise if the driver's options for the workers differ from what the workers will read."""
+    reached, why = workers_reached(environ)
+    if not reached:
+        wanted = [o for o in WORKER_OPTIONS if getattr(options, o) not in (False, None)
+                  and o not in ("dropped_rows_metrics",)]
+        api.note(FRAMEWORK, "workers", f"not reached ({why}): the zero-advantage filter and the tiled loss run "
+                                       "in the Ray workers only; start the driver with `grpo-patches run -- ...`"
+                 + (f" (asked for: {', '.join(wanted)})" if wanted else ""))
+        return
+    try:
+        theirs = Options.from_kwargs(parse_env_options(environ.get(OPTIONS_ENV, "")))
+    except GrpoPatchesError as exc:
+        raise OptionError(f"{OPTIONS_ENV}: {exc}") from None
+    differ = [o for o in WORKER_OPTIONS if getattr(options, o) != getattr(theirs, o)]
+    if differ:
+        wanted = ",".join(f"{o}={getattr(options, o)}" for o in differ)
+        raise OptionError(
+            f"grpo_patches.enable('nemo_rl', ...) in the driver sets {wanted}, but the Ray workers read their "
+            f"options from {OPTIONS_ENV}={environ.get(OPTIONS_ENV, '')!r}. Set {OPTIONS_ENV} (e.g. "
+            f"`grpo-patches run --options {wanted} -- ...`) or pass the same options to enable()"
+        )
+    api.note(FRAMEWORK, "workers", f"reached {why}")
+
+
+def _probe_loss(config: Any, grpo_module: Any) -> Any:
+    """The loss object ``setup`` will build (``ClippedPGLossFn(master_config["loss_fn"])``), or
+    ``None`` if it cannot be built from this config alone."""
+    try:
+        return grpo_module.ClippedPGLossFn(setting(config, "loss_fn"))
+    except Exception:  # noqa: BLE001 - the workers check the real object anyway
+        return None
+
+
+def check_loss_options(options: Options, loss_fn: Any) -> None:
+    """``True`` options that this loss configuration would make inexact raise now."""
+    from grpo_patches.zero_advantage import require_filter_compatible
+
+    if api.strict(FRAMEWORK, "zero_advantage_filter"):
+        try:
+            require_filter_compatible(gradient_terms(loss_fn))
+        except IncompatibleOptionsError as exc:
+            raise IncompatibleOptionsError(f"zero_advantage_filter=True: {exc}") from None
+    if api.strict(FRAMEWORK, "tiled_loss"):
+        problems = unsupported_loss_settings(loss_fn)
+        if problems:
+            raise IncompatibleOptionsError(
+                "tiled_loss=True cannot reproduce this ClippedPGLossFn: " + "; ".join(problems)
+                + ". Change the setting or pass tiled_loss=False (or 'auto') to grpo_patches.enable(...)"
+            )
+
+
+def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)``."""
+    options = api.active_options(FRAMEWORK)
+    if options is None:
+        return wrapped(*args, **kwargs)
+    config = arguments(wrapped, args, kwargs)["master_config"]
+    check_worker_options(options)
+    probe = _probe_loss(config, sys.modules[wrapped.__module__])
+    if probe is not None:
+        check_loss_options(options, probe)
+    decision = reference.decide(config) if options.logprob_skip else None
+    if version.at_least("0.7.0"):
+        reference.note_upstream(decision)
+        return wrapped(*args, **kwargs)
+    if decision is not None and not decision.skip:
+        api.note(FRAMEWORK, "reference_pass", f"runs: {decision.reason}")
+    token = reference.IN_SETUP.set(decision)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        reference.IN_SETUP.reset(token)

@@ -1,0 +1,133 @@
+"""``ClippedPGLossFn.__call__`` in the workers: on-policy prev log-probs, and metrics under the filter.
+
+One record per tag line (the loss moved and changed signature):
+
+* v0.5.0 ``loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks, ...)`` and
+  v0.6.0 ``loss_fn(next_token_logprobs, data, ...)`` read ``data["prev_logprobs"]`` even under
+  ``force_on_policy_ratio`` (importance weights, metrics). When the driver skipped the prev
+  pass (:data:`~.state.PREV_IS_CURRENT` on the loss object), the detached current log-probs
+  take their place — exactly what the skipped pass computes on-policy — and the metrics carry
+  a marker so the driver knows (:mod:`.train_call`). v0.5.0 gets logits: the current
+  log-probs are taken from them without autograd (NeMo-RL's own helper for vocab-parallel
+  DTensor logits).
+* v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to do there.
+* Under the zero-advantage filter (``dropped_rows_metrics=False``) the metrics are made honest
+  by :mod:`.kept_metrics`; on v0.5.0 the filter's counters ride on the first micro-batch's
+  metrics (its worker has no other way back, see :mod:`.filter_v050`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+
+from . import kept_metrics
+from .calls import arguments
+from .state import (
+    ACTIVE_TRAIN,
+    COUNTERS,
+    CURRENT_V050,
+    FRAMEWORK,
+    METRIC_PREFIX,
+    PREV_IS_CURRENT,
+    PREV_MARKER,
+    GlobalBatchFilter,
+)
+
+
+def _current_plan() -> GlobalBatchFilter | None:
+    train = ACTIVE_TRAIN.get()
+    if train is not None:
+        return train.current if train.filter_on else None
+    return CURRENT_V050.get()
+
+
+def _with_prev(data: Any, current: Any) -> Any:
+    """A shallow copy of ``data`` whose ``prev_logprobs`` are ``current`` (``[B, S-1]``), detached."""
+    import torch
+
+    prev = torch.zeros(data["prev_logprobs"].shape, dtype=current.dtype, device=current.device)
+    prev[:, 1:] = current.detach()[:, : prev.shape[1] - 1]
+    copy = type(data)(data)
+    copy["prev_logprobs"] = prev
+    return copy
+
+
+def _current_from_logits(call: dict[str, Any]) -> Any | None:
+    """v0.5.0: the current next-token log-probs ``[B, S-1]`` from its logits, without autograd."""
+    import torch
+
+    logits, data = call["next_token_logits"], call["data"]
+    if call.get("vocab_parallel_group") is not None:
+        return None  # Megatron's vocab-parallel path: the force flag keeps the gradient exact
+    with torch.no_grad():
+        if isinstance(logits, torch.distributed.tensor.DTensor):
+            from nemo_rl.distributed.model_utils import get_logprobs_from_vocab_parallel_logits
+
+            return get_logprobs_from_vocab_parallel_logits(logits.float(), data["input_ids"],
+                                                           seq_index=data.get("seq_index", None))
+        logprobs = torch.log_softmax(logits.float()[:, :-1], dim=-1)
+        return logprobs.gather(-1, data["input_ids"][:, 1:].to(logprobs.device).unsqueeze(-1)).squeeze(-1)
+
+
+def _dropped_share(wrapped: Callable[..., Any], call: dict[str, Any]) -> Callable[[Any], dict[str, Any]]:
+    """v0.6.0+: the real loss's metrics of the dropped rows, their prev log-probs standing in for
+    the current ones (only the metrics that need no forward are used)."""
+
+    def share(dropped: Any) -> dict[str, Any]:
+        import torch
+
+        with torch.no_grad():
+            _, metrics = wrapped(next_token_logprobs=dropped["prev_logprobs"][:, 1:].float(), data=dropped,
+                                 global_valid_seqs=call["global_valid_seqs"], global_valid_toks=call["global_valid_toks"])
+        return metrics
+
+    return share
+
+
+def _finish(wrapped: Callable[..., Any], instance: Any, call: dict[str, Any], substituted: bool,
+            share: bool) -> tuple[Any, dict[str, Any]]:
+    plan = _current_plan()
+    loss, metrics = wrapped(**call)
+    if substituted:
+        metrics = {**metrics, PREV_MARKER: 1.0}
+    options = api.active_options(FRAMEWORK)
+    if plan is None or options is None:
+        return loss, metrics
+    if not options.dropped_rows_metrics:
+        prev_real = not (getattr(instance, "force_on_policy_ratio", False) or getattr(instance, PREV_IS_CURRENT, False))
+        metrics = kept_metrics.adjust(metrics, instance, plan, call["global_valid_seqs"], call["global_valid_toks"],
+                                      prev_real, _dropped_share(wrapped, call) if share else None)
+    if ACTIVE_TRAIN.get() is None and not plan.counters_sent:  # v0.5.0: NeMo-RL divides by the global batches
+        plan.counters_sent = True
+        metrics = {**metrics, **{METRIC_PREFIX + name: float(getattr(plan, name)) * plan.global_batches
+                                 for name in COUNTERS}}
+    return loss, metrics
+
+
+def call_v050(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """v0.5.0 ``ClippedPGLossFn.__call__(next_token_logits, data, global_valid_seqs, global_valid_toks, ...)``."""
+    call = arguments(wrapped, args, kwargs)
+    substituted = False
+    if getattr(instance, PREV_IS_CURRENT, False):
+        current = _current_from_logits(call)
+        if current is not None:
+            call["data"], substituted = _with_prev(call["data"], current), True
+    return _finish(wrapped, instance, call, substituted, share=False)
+
+
+def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """v0.6.0 ``ClippedPGLossFn.__call__(next_token_logprobs, data, global_valid_seqs, global_valid_toks)``."""
+    call = arguments(wrapped, args, kwargs)
+    substituted = False
+    if getattr(instance, PREV_IS_CURRENT, False):
+        call["data"], substituted = _with_prev(call["data"], call["next_token_logprobs"]), True
+    return _finish(wrapped, instance, call, substituted, share=True)
+
+
+def call_v070(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """v0.7.0+ ``ClippedPGLossFn.__call__``: its own on-policy path needs nothing; filter metrics only."""
+    if _current_plan() is None:
+        return wrapped(*args, **kwargs)
+    return _finish(wrapped, instance, arguments(wrapped, args, kwargs), False, share=True)

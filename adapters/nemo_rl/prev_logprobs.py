@@ -1,0 +1,170 @@
+"""The prev-logprob pass of the synchronous ``grpo_train`` (driver side).
+
+NeMo-RL computes ``prev_logprobs`` with a full forward pass (``policy.get_logprobs``) every
+step, unless the user sets ``loss_fn.force_on_policy_ratio`` (v0.7.0+). When the step is
+provably on-policy, the pass is skipped here without that setting, and the loss uses the
+detached current log-probs instead (the same numbers: no optimizer step separates generation
+from the only optimizer step that consumes the batch). Provably on-policy means:
+
+* the synchronous loop (``grpo_train``; ``async_grpo_train`` is off-policy by design);
+* one optimizer step per rollout batch: ``num_prompts_per_step * num_generations_per_prompt
+  // train_global_batch_size`` is 1 — asked of the ``grpo_recompute_old_logps`` hook (one
+  consumption per optimizer step, a window of one), and checked again on every
+  ``Policy.train`` call (:mod:`.train_call`, which runs the pass after all if a call would make
+  more optimizer steps);
+* nothing else reads the log-probs (``needed_elsewhere``): no importance-sampling correction,
+  no ``grpo.seq_logprob_error_threshold``, no advantage estimator that uses them
+  (Reinforce++ with ``use_kl_in_reward`` and a KL penalty, on-policy distillation);
+* the loss keeps its formula under the substitution: not ``disable_ppo_ratio`` / ``use_cispo``
+  (NeMo-RL's own on-policy path changes those losses' reported value).
+
+How the step is skipped, per tag: v0.7.0+ wraps ``opd._skip_prev_logprobs`` (NeMo-RL's own
+predicate, read through the module by ``grpo_train``), so NeMo-RL's own skip path runs
+(zeros, no ``prepare_for_lp_inference`` when the reference pass is skipped too); v0.5.0 /
+v0.6.0 answer ``Policy.get_logprobs`` with zeros, and v0.6.0's sequence-level error metrics
+(which would be computed from those zeros) are answered with placeholders. Placeholders are
+never logged as if real (:mod:`.honest_logs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+from grpo_patches.plugins import hook
+
+from .calls import arguments, zero_logprobs
+from .settings import setting
+from .state import ACTIVE_LOOP, FRAMEWORK, LoopState
+
+
+def _needed_elsewhere(loop: LoopState) -> list[str]:
+    """What besides the policy ratio reads this run's prev log-probs."""
+    config, loss = loop.config, loop.loss_fn
+    needs = []
+    if getattr(loss, "use_importance_sampling_correction", False):
+        needs.append("loss_fn.use_importance_sampling_correction (weights exp(prev - generation))")
+    if setting(config, "grpo.seq_logprob_error_threshold") is not None:
+        needs.append("grpo.seq_logprob_error_threshold (masks rows by prev vs generation)")
+    estimator = setting(config, "grpo.adv_estimator.name", "grpo")
+    if (estimator == "reinforce_plus_plus" and setting(config, "loss_fn.use_kl_in_reward", False)
+            and setting(config, "loss_fn.reference_policy_kl_penalty", 0.0)):
+        needs.append("the reinforce_plus_plus advantage with use_kl_in_reward")
+    if setting(config, "on_policy_distillation.enabled", False):
+        needs.append("on_policy_distillation (its loss reads prev log-probs)")
+    return needs
+
+
+def _inexact(loop: LoopState) -> list[str]:
+    loss = loop.loss_fn
+    return [f"loss_fn.{name}" for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
+
+
+def train_batch_size(policy: Any, gbs: int | None = None) -> int:
+    """Rows per optimizer step of a ``Policy.train`` call."""
+    return int(gbs or setting(policy, "cfg.train_global_batch_size"))
+
+
+def decide(loop: LoopState, rows: int | None = None) -> str | None:
+    """``None`` when this step's pass may be skipped, else why it runs.
+
+    :param rows: the batch's rows when known (v0.5 / v0.6 see it), else the configured
+        rollout batch ``num_prompts_per_step * num_generations_per_prompt``.
+    """
+    inexact = _inexact(loop)
+    if inexact:
+        return f"runs: {', '.join(inexact)} changes the loss on NeMo-RL's on-policy path"
+    if rows is None:
+        rows = int(setting(loop.config, "grpo.num_prompts_per_step", 0)) * int(
+            setting(loop.config, "grpo.num_generations_per_prompt", 0))
+    gbs = train_batch_size(loop.policy)
+    steps = max(1, rows // gbs) if gbs else 1
+    needed = _needed_elsewhere(loop)
+    compute = hook().grpo_recompute_old_logps(framework=FRAMEWORK, consumptions_left=steps, window_steps_left=1,
+                                              needed_elsewhere=bool(needed))
+    if not compute:
+        return None
+    if needed:
+        return f"runs: needed by {'; '.join(needed)}"
+    if steps > 1:
+        return (f"runs: {rows} rows per step make {steps} optimizer steps (train_global_batch_size={gbs}); "
+                "the later ones are off-policy")
+    return "runs: a grpo_recompute_old_logps plugin decided"
+
+
+def _note(reason: str | None) -> None:
+    text = ("skipped: provably on-policy (one optimizer step per rollout batch, nothing else reads them); "
+            "the loss uses the detached current log-probs") if reason is None else reason
+    api.note(FRAMEWORK, "prev_logprobs", text)
+
+
+def grpo_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.grpo_train``: the synchronous loop, the only one whose steps can be on-policy."""
+    options = api.active_options(FRAMEWORK)
+    if options is None or not options.logprob_skip:
+        return wrapped(*args, **kwargs)
+    call = arguments(wrapped, args, kwargs)
+    loop = LoopState(policy=call["policy"], loss_fn=call["loss_fn"], config=call["master_config"])
+    token = ACTIVE_LOOP.set(loop)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        ACTIVE_LOOP.reset(token)
+
+
+def async_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.async_grpo_train``: generation runs ahead of training there, so a trajectory may come
+    from older weights than the step that consumes it: never provably on-policy, the pass runs.
+    Patched only so that ``status()`` says so instead of saying nothing."""
+    options = api.active_options(FRAMEWORK)
+    if options is not None and options.logprob_skip:
+        api.note(FRAMEWORK, "prev_logprobs", "runs: async_grpo_train trains on trajectories that older weights may "
+                                             "have generated (not provably on-policy; NeMo-RL >= 0.7.0 skips it "
+                                             "itself only under loss_fn.force_on_policy_ratio)")
+    return wrapped(*args, **kwargs)
+
+
+def skip_predicate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``opd._skip_prev_logprobs(master_config)`` (v0.7.0+), asked once per step by ``grpo_train``."""
+    upstream = wrapped(*args, **kwargs)
+    loop = ACTIVE_LOOP.get()
+    if loop is None:
+        return upstream
+    if upstream:
+        loop.prev, loop.placeholders = "upstream", True
+        api.note(FRAMEWORK, "prev_logprobs", "skipped by NeMo-RL itself (loss_fn.force_on_policy_ratio; nothing "
+                                             "counted as saved)")
+        return upstream
+    reason = decide(loop)
+    _note(reason)
+    loop.prev = "skipped" if reason is None else "run"
+    loop.placeholders = reason is None
+    return reason is None
+
+
+def get_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Policy.get_logprobs`` (v0.5 / v0.6) inside ``grpo_train``: zeros when provably on-policy."""
+    loop = ACTIVE_LOOP.get()
+    if loop is None or loop.bypass or instance is not loop.policy:
+        return wrapped(*args, **kwargs)
+    data = arguments(wrapped, args, kwargs)["data"]
+    reason = decide(loop, rows=int(data["input_ids"].shape[0]))
+    _note(reason)
+    loop.placeholders = False
+    if reason is not None:
+        loop.prev = "run"
+        return wrapped(*args, **kwargs)
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    loop.prev = "skipped"
+    return BatchedDataDict({"logprobs": zero_logprobs(data)})
+
+
+def seq_error_metrics_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.compute_and_apply_seq_logprob_error_masking`` (v0.6.0): placeholders when prev is
+    zeros (no threshold is set then, so there is nothing to mask); dropped from the logs."""
+    loop = ACTIVE_LOOP.get()
+    if loop is None or loop.prev != "skipped":
+        return wrapped(*args, **kwargs)
+    loop.placeholders = True
+    return 0.0, 0, 0.0  # (max_seq_mult_prob_error, num_masked_seqs, masked_correct_pct)

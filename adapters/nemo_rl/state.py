@@ -1,0 +1,150 @@
+"""What the NeMo-RL adapter remembers: one object per framework object or call, never loose attributes.
+
+Driver side: :class:`PolicyState` per ``Policy`` (``grpo_patches.instance_state``, cleared by
+``disable()``) and :class:`LoopState` for one ``grpo_train`` call. Worker side:
+:class:`TrainCall` for one ``DTensorPolicyWorkerV2.train`` call and :class:`GlobalBatchFilter`
+for each global batch the zero-advantage filter reshaped. Calls are found through context
+variables: they live exactly as long as the call.
+
+One thing does cross from the driver to the workers on the loss object NeMo-RL pickles to
+them on every ``Policy.train`` call: :data:`PREV_IS_CURRENT`, a plain ``bool`` attribute (so
+that a worker without grpo_patches can still unpickle the loss), set only for that call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_patches import instance_state
+
+FRAMEWORK = "nemo_rl"
+
+#: Set on the loss object for one ``Policy.train`` call whose prev-logprob pass was skipped:
+#: the worker's loss then uses the detached current log-probs as ``prev_logprobs``.
+PREV_IS_CURRENT = "_grpo_patches_prev_is_current"
+
+#: Prefix of what the workers add to the metrics NeMo-RL logs.
+METRIC_PREFIX = "grpo_patches/"
+#: Set by a v0.5 / v0.6 worker's loss when it used the current log-probs as prev (:mod:`.loss_call`).
+PREV_MARKER = METRIC_PREFIX + "prev_logprobs_from_current"
+#: The zero-advantage filter's counters (``grpo_patches/<name>`` in the metrics).
+COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped")
+
+
+@dataclass
+class PolicyState:
+    """Per driver ``Policy``.
+
+    :ivar reference_skipped: the reference model was not built for this policy by grpo_patches
+        (v0.5 / v0.6), so its reference log-probs are answered with zeros (KL penalty 0).
+    :ivar worker_counters: the zero-advantage filter's counters its workers returned, summed.
+    """
+
+    reference_skipped: bool = False
+    worker_counters: dict[str, float] = field(default_factory=dict)
+
+
+def policy_state(policy: Any) -> PolicyState:
+    return instance_state.state_of(policy, FRAMEWORK, PolicyState)
+
+
+def peek_policy(policy: Any) -> PolicyState | None:
+    return instance_state.peek(policy, FRAMEWORK)
+
+
+@dataclass
+class LoopState:
+    """One synchronous ``grpo_train`` call.
+
+    :ivar policy: the driver's ``Policy``; :ivar loss_fn: the loss object; :ivar config: ``master_config``.
+    :ivar on_policy: why the prev-logprob pass may be skipped (``None``: it may), decided once
+        per call from the config (:mod:`.prev_logprobs`).
+    :ivar prev: this step's prev-logprob pass: ``"run"``, ``"skipped"`` (by grpo_patches),
+        ``"upstream"`` (NeMo-RL's own ``force_on_policy_ratio``) or ``"late"`` (skipped, then
+        run at train time because the train call made more than one optimizer step).
+    :ivar placeholders: NeMo-RL filled this step's sequence-level log-prob error metrics with
+        zero placeholders (they are dropped from the logs).
+    :ivar bypass: call the original ``get_logprobs`` (a late pass).
+    :ivar unlogged: metric keys put back only because ``grpo_train`` reads them (a kept-rows
+        value under an all-rows name): used by the loop, never logged.
+    """
+
+    policy: Any
+    loss_fn: Any
+    config: Any
+    on_policy: str | None = None
+    prev: str = "run"
+    placeholders: bool = False
+    bypass: bool = False
+    unlogged: set[str] = field(default_factory=set)
+
+    @property
+    def prev_is_zero(self) -> bool:
+        """``train_data["prev_logprobs"]`` holds zeros this step, not log-probs."""
+        return self.prev in ("skipped", "upstream")
+
+
+ACTIVE_LOOP: contextvars.ContextVar[LoopState | None] = contextvars.ContextVar("grpo_patches_nemo_loop", default=None)
+
+
+@dataclass
+class GlobalBatchFilter:
+    """The zero-advantage filter's plan for one local global batch (worker side).
+
+    :ivar rows_dropped, tokens_dropped: left out of the forward and backward on this rank.
+    :ivar microbatches_dropped: forward/backward passes saved on this rank.
+    :ivar kept_seqs, kept_toks: rows / loss tokens that ran, over every DP rank (the
+        denominators of the ``/kept_rows`` metrics).
+    :ivar metrics_only: the micro-batches that only give metrics (no gradient).
+    :ivar dropped_seqs: valid samples among the dropped rows (``sample_mask`` sum).
+    :ivar dropped: the dropped rows (v0.6.0+, real prev log-probs): their metrics that need no
+        forward are added exactly by the first loss call of the global batch (:mod:`.kept_metrics`).
+    :ivar seen: the first loss call of the global batch happened (it carries the additions).
+    :ivar counters_sent: v0.5.0: the counters rode on a micro-batch's metrics already.
+    :ivar global_batches: how many global batches the train call has (v0.5.0's metric scale).
+    """
+
+    rows_dropped: int
+    tokens_dropped: int
+    microbatches_dropped: int
+    kept_seqs: float
+    kept_toks: float
+    metrics_only: list[Any] = field(default_factory=list)
+    dropped_seqs: float = 0.0
+    dropped: Any = None
+    seen: bool = False
+    counters_sent: bool = False
+    global_batches: int = 1
+
+    def is_metrics_only(self, microbatch: Any) -> bool:
+        return any(microbatch is mb for mb in self.metrics_only)
+
+
+@dataclass
+class TrainCall:
+    """One ``DTensorPolicyWorkerV2.train`` call in a worker (v0.6.0+).
+
+    :ivar worker: the worker; :ivar loss_fn: the loss object of the call.
+    :ivar filter_on: the zero-advantage filter reshapes this call's micro-batches.
+    :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
+    :ivar current: the filter's plan of the global batch being trained.
+    :ivar rows_dropped, tokens_dropped, microbatches_dropped: totals over the call.
+    """
+
+    worker: Any
+    loss_fn: Any
+    filter_on: bool = False
+    tiled_on: bool = False
+    current: GlobalBatchFilter | None = None
+    rows_dropped: int = 0
+    tokens_dropped: int = 0
+    microbatches_dropped: int = 0
+
+
+ACTIVE_TRAIN: contextvars.ContextVar[TrainCall | None] = contextvars.ContextVar("grpo_patches_nemo_train", default=None)
+#: v0.5.0 has no per-call hook point in the worker (see :mod:`.filter_v050`): the plan of the
+#: global batch being trained, replaced at each global batch.
+CURRENT_V050: contextvars.ContextVar[GlobalBatchFilter | None] = contextvars.ContextVar(
+    "grpo_patches_nemo_v050", default=None)

@@ -1,0 +1,141 @@
+"""``Policy.train`` on the driver: one train call per step, checked every time.
+
+* A step whose prev-logprob pass was skipped (:mod:`.prev_logprobs`) trains only if the call
+  makes exactly one optimizer step (``data.size // gbs == 1``): the skip is exact only then.
+  Otherwise the pass runs here after all, before training (the weights are still the ones
+  that generated the batch, so it computes what the skipped pass would have).
+* For that call the loss object carries ``force_on_policy_ratio = True`` (NeMo-RL's own
+  on-policy path: ratio ``exp(curr - curr.detach())``, so the gradient is exact even in a
+  worker that grpo_patches does not reach) and :data:`~.state.PREV_IS_CURRENT` (a patched v0.5
+  / v0.6 worker then also uses the detached current log-probs as ``prev_logprobs`` for the
+  importance weights and metrics, which those versions read even under the force flag). Both
+  are put back after the call; NeMo-RL pickles the loss to the workers on every call.
+* The workers' own counters (``grpo_patches/*`` in ``all_mb_metrics``) stay in the metrics
+  NeMo-RL logs; their running totals go to a note of this process's ``status()`` (the
+  savings totals of each process count what that process saved). Metrics a v0.5 / v0.6 worker
+  computed from zero ``prev_logprobs`` (it was not reached) are dropped, never logged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from grpo_patches import api, savings
+
+from . import version
+from .calls import arguments
+from .prev_logprobs import train_batch_size
+from .state import (
+    ACTIVE_LOOP,
+    COUNTERS,
+    FRAMEWORK,
+    METRIC_PREFIX,
+    PREV_IS_CURRENT,
+    PREV_MARKER,
+    LoopState,
+    policy_state,
+)
+
+#: Loss metrics ``grpo_train`` itself reads (``metrics["token_mult_prob_error"] > 1.05`` picks a plot).
+READ_BY_LOOP = ("token_mult_prob_error",)
+#: Loss metrics computed from ``prev_logprobs`` (v0.5 / v0.6 read it even on the on-policy path).
+PREV_METRICS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+                "sampling_importance_ratio", "is_oob_ratio")
+
+
+def _late_pass(loop: LoopState, policy: Any, data: Any, steps: int) -> None:
+    loop.bypass = True
+    try:
+        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    finally:
+        loop.bypass = False
+    loop.prev = "late"
+    api.note(FRAMEWORK, "prev_logprobs", f"run at train time: this train call makes {steps} optimizer steps "
+                                         "(the skip is exact for one only)")
+
+
+def _flag(loss_fn: Any) -> dict[str, Any]:
+    """Put the on-policy flags on ``loss_fn``; returns what to restore."""
+    saved = {name: loss_fn.__dict__.get(name, _ABSENT) for name in ("force_on_policy_ratio", PREV_IS_CURRENT)}
+    loss_fn.force_on_policy_ratio = True
+    setattr(loss_fn, PREV_IS_CURRENT, True)
+    return saved
+
+
+_ABSENT = object()
+
+
+def _restore(loss_fn: Any, saved: dict[str, Any]) -> None:
+    for name, value in saved.items():
+        if value is _ABSENT:
+            loss_fn.__dict__.pop(name, None)
+        else:
+            setattr(loss_fn, name, value)
+
+
+def _reduce_kept_extrema(metrics: dict[str, list]) -> None:
+    """``*_min/kept_rows`` / ``*_max/kept_rows`` over every micro-batch and worker: NeMo-RL sums
+    lists of keys it does not know, so each becomes a one-element list holding its extremum."""
+    for key, values in list(metrics.items()):
+        if not key.endswith("/kept_rows") or not ("_min" in key or "_max" in key):
+            continue
+        finite = [float(v) for v in values if math.isfinite(float(v))]
+        if not finite:
+            metrics.pop(key)
+        else:
+            metrics[key] = [min(finite) if "_min" in key else max(finite)]
+
+
+def _collect(policy: Any, result: Any, skipped: bool, loop: LoopState | None) -> None:
+    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
+    if metrics is None:
+        return
+    for key in READ_BY_LOOP:  # renamed by the filter (kept rows): the loop still needs the key, logs don't
+        if loop is not None and key not in metrics and key + "/kept_rows" in metrics:
+            metrics[key] = list(metrics[key + "/kept_rows"])
+            loop.unlogged.add(key)
+    substituted = bool(metrics.pop(PREV_MARKER, None))
+    if skipped and not substituted and not version.at_least("0.7.0"):
+        for key in PREV_METRICS:
+            if key in READ_BY_LOOP and loop is not None and key in metrics:
+                loop.unlogged.add(key)  # the loop reads it (a plot that is not drawn on zero prev anyway)
+            else:
+                metrics.pop(key, None)
+        api.note(FRAMEWORK, "workers", "not reached: prev-logprob metrics from zero placeholders were dropped "
+                                       "(start the driver with `grpo-patches run -- ...` so workers are patched)")
+    if METRIC_PREFIX + COUNTERS[0] in metrics:  # the filter ran in the workers: their status() holds their savings
+        totals = policy_state(policy).worker_counters
+        for name in COUNTERS:
+            totals[name] = totals.get(name, 0.0) + float(sum(metrics.get(METRIC_PREFIX + name, ())))
+        api.note(FRAMEWORK, "zero_advantage_filter_workers", "the workers left out " + ", ".join(
+            f"{totals[n]:g} {n.replace('_dropped', '')}" for n in COUNTERS) + " so far (logged by NeMo-RL as "
+                 f"{METRIC_PREFIX}<name>_dropped)")
+    _reduce_kept_extrema(metrics)
+
+
+def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Policy.train(data, loss_fn, eval_mode=False, gbs=None, ...)``."""
+    loop = ACTIVE_LOOP.get()
+    if loop is not None:
+        loop.unlogged.clear()  # decided again for this step's metrics
+    call = arguments(wrapped, args, kwargs)
+    skipped = loop is not None and loop.prev == "skipped" and instance is loop.policy and not call["eval_mode"]
+    saved = None
+    loss_fn = call["loss_fn"]
+    if skipped:
+        data = call["data"]
+        steps = int(data["input_ids"].shape[0]) // train_batch_size(instance, call.get("gbs"))
+        if steps != 1:
+            _late_pass(loop, instance, data, steps)
+            skipped = False
+        else:
+            saved = _flag(loss_fn)
+            savings.report(FRAMEWORK, old_logprob_passes_skipped=1)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        if saved is not None:
+            _restore(loss_fn, saved)
+    _collect(instance, result, skipped, loop)
+    return result

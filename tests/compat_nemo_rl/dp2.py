@@ -1,0 +1,59 @@
+"""Two data-parallel ranks (spawned processes, gloo, FSDP2 over DP) training the real worker.
+
+Rank r gets its shard of one global batch of 16 rows from NeMo-RL's own ``shard_by_batch_size``;
+the zero-advantage rows are placed so that the ranks keep different numbers of rows. Each rank
+trains unpatched then patched and reports its gradient difference and work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ZERO_ROWS = (1, 2, 5, 8, 9, 10, 12, 13)  # 3 in the first half, 5 in the second
+
+
+def _rank(rank: int, port: int, queue: Any) -> None:
+    try:
+        queue.put(_train(rank, port))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put({"rank": rank, "error": repr(exc)})
+        raise
+
+
+def _train(rank: int, port: int) -> dict:
+    import torch
+
+    import grpo_patches
+    from tests.compat_nemo_rl import harness
+    from tests.nemo_worker_harness import batched, make_batch, make_loss, max_grad_rel, run_train
+
+    torch.set_num_threads(1)
+    tag = harness.setup()
+    harness.init_gloo(rank, 2, port)
+    shard = batched(make_batch(rows=16, zero_rows=ZERO_ROWS)).shard_by_batch_size(2, batch_size=16)[rank]
+    data = {k: v for k, v in shard.items()}
+
+    def make() -> Any:
+        return harness.real_worker(tag, 16, 2, fsdp=True, dp=2)
+
+    base = run_train(tag, data, make_loss(tag), make)
+    grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
+    patched = run_train(tag, data, make_loss(tag), make)
+    dropped = sum(patched.metrics.get("grpo_patches/rows_dropped", [0.0]))
+    return {"rank": rank, "grad_rel": max_grad_rel(patched, base), "forwards_base": base.rows_forwarded,
+            "forwards_patched": patched.rows_forwarded, "rows_dropped": dropped,
+            "zero_rows_here": int((data["advantages"].abs().sum(-1) == 0).sum())}
+
+
+def run_ranks(context: Any, port: int, timeout: float = 900) -> list[dict]:
+    """Run both ranks; their reports, rank 0 first."""
+    queue = context.Queue()
+    procs = [context.Process(target=_rank, args=(rank, port, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    results = sorted((queue.get(timeout=timeout) for _ in procs), key=lambda r: r["rank"])
+    for proc in procs:
+        proc.join(timeout=60)
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors
+    return results
