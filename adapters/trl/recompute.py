@@ -198,6 +198,7 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
         "old_logprob_pass",
         f"computed for {int(computed)} of {int(rollouts)} rollouts "
         f"(TRL's modulo rule: {'every' if decision.upstream else 'none'}); last rollout: {reason}",
+        owner=instance,
     )
     return output
 
