@@ -21,7 +21,7 @@ from packaging.version import Version  # noqa: E402
 
 from grpo_patches import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError, UnsupportedFrameworkError  # noqa: E402
-from tests.test_trl_filter import assert_same_metrics  # noqa: E402
+from tests.test_trl_filter import EXACT_METRICS, assert_close_or_none, assert_same_metrics  # noqa: E402
 from tests.test_trl_filter import run as upstream_or_filter_run  # noqa: E402
 from tests.trl_harness import require_loss_type, train  # noqa: E402
 
@@ -70,9 +70,10 @@ def test_tiled_loss_with_kl_and_sequence_level_ratio():
 def test_tiled_loss_with_zero_advantage_filter(loss_type):
     require_loss_type(loss_type)
     ref, got = run(False, loss_type=loss_type), run(True, True, loss_type=loss_type)
-    assert got.savings["rows_dropped"] > 0
+    assert got.savings["rows_dropped"] > 0 and got.savings["forward_rows_skipped"] == got.savings["rows_dropped"]
     assert ref.max_weight_diff(got) < 1e-6
-    assert_same_metrics(ref, got)
+    assert_same_metrics(ref, got, names=EXACT_METRICS)
+    assert_close_or_none(ref.extra["spy"].kept_rows("entropy"), got.metrics("entropy/kept_rows"))
 
 
 @needs_tiled

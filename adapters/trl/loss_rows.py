@@ -4,17 +4,20 @@
 micro-batch. The loss wrappers (:mod:`.filter`, :mod:`.tiled`) put a :class:`LossCall` on the
 trainer for the duration of that call; the wrapper here answers that one forward:
 
-* zero-advantage filter: the kept rows go through the model with gradients; the dropped rows
-  go through a no-grad forward (no activations kept, no backward) so that their log-probs
-  and entropies are the true ones. Both are scattered back into ``[B, T]`` tensors, so TRL's
-  own loss code sees the whole micro-batch: every denominator, every logged metric (entropy,
-  clip ratios, ...) is computed by TRL exactly as without the patch. The dropped rows have
-  an advantage of exactly 0, hence a per-token loss of exactly 0 and no gradient.
+* zero-advantage filter: the kept rows go through the model with gradients. The dropped rows
+  either get no forward at all (default), their log-probs set to their old log-probs (or 0
+  when TRL uses the detached current ones) so that their ratio is exactly 1 and their
+  entropies to 0 (the filter then logs the entropy over the kept rows, :mod:`.kept_rows`), or,
+  with ``dropped_rows_metrics=True``, a no-grad forward for their true values. Both are
+  scattered back into ``[B, T]`` tensors, so TRL's own loss code sees the whole micro-batch:
+  every denominator is TRL's. The dropped rows have an advantage of exactly 0, hence a
+  per-token loss of exactly 0 (their ratio is finite) and no gradient.
 * tiled loss: the rows' loss is computed from hidden states through ``grpo_lm_head_loss``;
   TRL receives the detached log-probs / entropies for its metrics and its (then
   gradient-free) loss is replaced by the tiled one.
 
-Any other call (generation-time passes, no active :class:`LossCall`) goes straight through.
+Any other call (generation-time passes, no active :class:`LossCall`) goes straight through,
+except the old-logprob pass the filter defers to the kept rows (:mod:`.old_logprobs`).
 """
 
 from __future__ import annotations
@@ -48,18 +51,29 @@ class LossCall:
     """What the loss wrappers ask of the next policy forward of one ``_compute_loss`` call.
 
     :ivar keep: rows to run with gradients (``None``: all rows).
+    :ivar dropped_forward: the dropped rows get a no-grad forward for their true values
+        (``dropped_rows_metrics=True``); otherwise none, and their values are filled in.
+    :ivar fill_logps: ``[B, T]`` log-probs filled in for the dropped rows (their old log-probs,
+        so the ratio is exactly 1); ``None``: zeros (TRL then uses the detached current ones).
     :ivar always_split: run the no-grad forward even with nothing dropped (one dummy row), so
         every data-parallel rank runs the same number of forwards (ZeRO-3 / FSDP gather
         parameters collectively inside each forward).
     :ivar tiled: computes the tiled loss of a row subset (``None``: TRL's own forward).
     :ivar tiled_loss: set by the routing wrapper: the tiled loss of the kept rows.
+    :ivar used: set by the routing wrapper once it answered the forward.
+    :ivar entropies: set by the routing wrapper: the ``[B, T]`` entropies TRL received.
+    :ivar forward_rows: set by the routing wrapper: rows that went through a forward.
     """
 
     keep: Any = None
+    dropped_forward: bool = True
+    fill_logps: Any = None
     always_split: bool = False
     tiled: TiledRows | None = None
     tiled_loss: Any = None
     used: bool = False
+    entropies: Any = None
+    forward_rows: int = 0
 
 
 def loss_mask(inputs: Any) -> Any:
@@ -98,7 +112,8 @@ def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, A
     return dict(bound.arguments)
 
 
-def _rows_of(bound: Mapping[str, Any], rows: Any) -> dict[str, Any]:
+def rows_of(bound: Mapping[str, Any], rows: Any) -> dict[str, Any]:
+    """The arguments of ``_get_per_token_logps_and_entropies`` for a subset of rows."""
     out = dict(bound)
     for name in ROW_ARGS:
         if out.get(name) is not None:
@@ -106,11 +121,15 @@ def _rows_of(bound: Mapping[str, Any], rows: Any) -> dict[str, Any]:
     return out
 
 
-def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int) -> Any:
-    """``[B, ...]`` tensor with the kept rows (differentiable) and the dropped rows (constants)."""
+def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int, fill: Any = None) -> Any:
+    """``[B, ...]`` tensor with the kept rows (differentiable) and the dropped rows (constants:
+    ``dropped`` when given, else ``fill``'s rows, else zeros)."""
     if kept is None:
         return None
-    out = kept.new_zeros((rows, *kept.shape[1:]))
+    if fill is not None:
+        out = fill.detach().to(device=kept.device, dtype=kept.dtype)
+    else:
+        out = kept.new_zeros((rows, *kept.shape[1:]))
     out = out.index_copy(0, keep, kept)
     if dropped is not None and drop.numel():
         out = out.index_copy(0, drop, dropped.to(kept.dtype))
@@ -125,6 +144,12 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
         import torch
 
         call = active_call(instance) if instance is not None else None
+        if call is None and instance is not None and state.of(instance).deferred is not None:
+            from .old_logprobs import placeholder_for
+
+            answer = placeholder_for(instance, _bind(wrapped, args, kwargs), arity)
+            if answer is not None:
+                return answer  # the old-logprob pass, run for the kept rows once advantages exist
         if call is None or call.used:
             return wrapped(*args, **kwargs)
         call.used = True  # only the policy forward of this _compute_loss call is routed
@@ -149,18 +174,23 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
             kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach())
         else:
             if drop.numel() == 0 and not call.always_split:
-                return wrapped(**bound)
-            kept_out = tuple(wrapped(**_rows_of(bound, keep)))
+                out = wrapped(**bound)
+                call.entropies, call.forward_rows = out[1], batch
+                return out
+            kept_out = tuple(wrapped(**rows_of(bound, keep)))
+        call.forward_rows = int(keep.numel())
 
         dropped_out: tuple = (None, None)
-        if drop.numel() or call.always_split:
+        if call.dropped_forward and (drop.numel() or call.always_split):
             rows = drop if drop.numel() else keep[:1]  # dummy row: same number of forwards on every rank
             with torch.no_grad():
-                dropped_out = tuple(wrapped(**_rows_of(bound, rows)))
+                dropped_out = tuple(wrapped(**rows_of(bound, rows)))
+            call.forward_rows += int(rows.numel())
             if not drop.numel():
                 dropped_out = (None, None)
-        logps = _merge(kept_out[0], dropped_out[0], keep, drop, batch)
+        logps = _merge(kept_out[0], dropped_out[0], keep, drop, batch, fill=call.fill_logps)
         entropies = _merge(kept_out[1], dropped_out[1], keep, drop, batch)
+        call.entropies = entropies
         if arity == 2:
             return logps, entropies
         aux = kept_out[2] if len(kept_out) > 2 else None
