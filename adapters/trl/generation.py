@@ -15,7 +15,7 @@ from grpo_patches import api
 
 from . import old_logprobs
 from .logprob_passes import observe_logprob_passes
-from .recompute import exact_recompute
+from .recompute import decide_for_trainer, exact_recompute
 
 
 def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -24,7 +24,7 @@ def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: di
     if options is None or not instance.model.training:
         return wrapped(*args, **kwargs)
     with old_logprobs.deferring(instance) as deferred:
-        if options.recompute:
+        if options.recompute and decide_for_trainer(instance):
             output = exact_recompute(wrapped, instance, args, kwargs)
         else:
             output = wrapped(*args, **kwargs)

@@ -37,7 +37,7 @@ from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
 from grpo_patches.plugins import hook
 from grpo_patches.recompute import cap_consumptions, explain, window_steps_left
 
-from . import metrics, state
+from . import metrics, overrides, state
 from .schedule import hf_micro_steps_left
 
 
@@ -153,6 +153,20 @@ class _ArgsView(wrapt.ObjectProxy):
     @property
     def gradient_accumulation_steps(self) -> int:
         return self._self_gradient_accumulation_steps
+
+
+def decide_for_trainer(trainer: Any) -> bool:
+    """Whether the exact recompute runs for ``trainer``: not when its class overrides the
+    schedule it models (``training_step``, ``_prepare_inputs``) or the decided call; TRL's own
+    rule then decides, which is what it does unpatched (noted per trainer class)."""
+    own = state.of(trainer)
+    if own.recompute_on is None:
+        why = overrides.why_off(trainer, "recompute")
+        own.recompute_on = why is None
+        if why is not None:
+            api.note("trl", "old_logprob_pass", f"TRL's own rule (recompute off for this class): {why}",
+                     owner=trainer)
+    return own.recompute_on
 
 
 def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:

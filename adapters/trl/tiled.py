@@ -10,7 +10,10 @@ metrics; the loss it then computes carries no gradient and is replaced by the ti
 
 TRL's normalisers (1.16) are passed explicitly, computed from the whole micro-batch, so the
 tiled loss of a row subset (with the zero-advantage filter) keeps every denominator.
-Settings the tiled loss does not reproduce raise a clear error at the first loss call.
+Whatever the tiled loss does not reproduce (a setting, a model's logit transform, a subclass
+that overrides the loss) is refused with one clear error when the trainer is built
+(``tiled_loss=True``), or leaves that trainer on TRL's own loss path with the reason in
+``status()`` (``"auto"``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Callable, Mapping
 from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError
 
-from . import state
+from . import metrics, overrides, state
 from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
 from .loss_types import denominator
 
@@ -29,17 +32,14 @@ from .loss_types import denominator
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
-def check_supported(trainer: Any) -> None:
-    """Raise once per trainer if a setting would make the tiled loss differ from TRL's.
-
-    :raises IncompatibleOptionsError: naming the setting and the fix.
-    """
-    own = state.of(trainer)
-    if own.tiled_checked:
-        return
+def unsupported(trainer: Any) -> list[str]:
+    """What about ``trainer`` the tiled loss cannot reproduce (empty: nothing)."""
     from grpo_patches.tiled_loss import TRL_LOSS_TYPES
 
     problems = []
+    why = overrides.why_off(trainer, "tiled_loss")
+    if why is not None:
+        problems.append(why + " (a loss the tiled loss does not compute)")
     if trainer.loss_type not in TRL_LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {', '.join(TRL_LOSS_TYPES)})")
     if getattr(trainer, "top_entropy_quantile", 1.0) != 1.0:
@@ -51,12 +51,31 @@ def check_supported(trainer: Any) -> None:
         value = getattr(text_config, name, None)
         if value is not None and not (name == "logit_scale" and value == 1.0):
             problems.append(f"model config {name}={value} (a logit transform the tiled loss does not apply)")
-    if problems:
+    return problems
+
+
+def _refuse_or_note(trainer: Any, problems: list[str]) -> bool:
+    """``tiled_loss=True``: raise naming every problem; ``"auto"``: note them, return False."""
+    if api.strict("trl", "tiled_loss"):
         raise IncompatibleOptionsError(
             "tiled_loss=True cannot reproduce TRL's loss with: " + "; ".join(problems)
-            + ". Change the setting or pass tiled_loss=False to grpo_patches.enable(...)"
+            + ". Change the setting, or pass tiled_loss='auto' (TRL's own loss path there) or False to "
+            "grpo_patches.enable(...)"
         )
-    own.tiled_checked = True
+    api.note("trl", "tiled_loss", "off, TRL's own loss path: " + "; ".join(problems), owner=trainer)
+    return False
+
+
+def decide(trainer: Any) -> bool:
+    """Whether the tiled loss runs for ``trainer`` (decided once, when it is built).
+
+    :raises IncompatibleOptionsError: ``tiled_loss=True`` with something it cannot reproduce.
+    """
+    own = state.of(trainer)
+    if own.tiled_on is None:
+        problems = unsupported(trainer)
+        own.tiled_on = not problems or _refuse_or_note(trainer, problems)
+    return own.tiled_on
 
 
 def _normalizer(trainer: Any, inputs: Mapping[str, Any], mask: Any) -> float | Any:
@@ -197,13 +216,11 @@ def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[[Any, Mapping[str, An
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer.compute_loss(model, inputs, ...)``."""
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-    if instance is None or not instance.model.training:
+    if instance is None or not instance.model.training or not decide(instance):
         return wrapped(*args, **kwargs)  # evaluation keeps TRL's loss (no backward there)
-    check_supported(instance)
     if any(inputs.get(key) is not None for key in MULTIMODAL_KEYS):
-        raise IncompatibleOptionsError(
-            "tiled_loss=True does not support multimodal inputs yet; pass tiled_loss=False to grpo_patches.enable(...)"
-        )
+        state.of(instance).tiled_on = _refuse_or_note(instance, ["multimodal inputs"])
+        return wrapped(*args, **kwargs)
     with loss_call(instance) as call:
         call.tiled = make_tiled_rows(inputs)
         wrapped(*args, **kwargs)  # TRL's loss from detached values: metrics only
@@ -212,4 +229,6 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
                 "grpo_patches: tiled_loss found no policy forward in GRPOTrainer._compute_loss "
                 "(TRL's internals moved?); pass tiled_loss=False"
             )
-        return call.tiled_loss
+    calls = metrics.add_count(instance, "tiled_loss_calls", 1, log=False)
+    api.note("trl", "tiled_loss", f"on: {int(calls)} loss calls computed tile by tile", owner=instance)
+    return call.tiled_loss
