@@ -25,7 +25,9 @@ class Cell:
     python: str
     install: tuple[str, ...]
     tests: tuple[str, ...]
+    no_deps: tuple[str, ...] = ()  # installed with --no-deps first (verl's own pins would pull CUDA stacks)
     gpu_tests: tuple[str, ...] = ()
+    gpu_install: tuple[str, ...] = ()  # extra requirements of the gpu tier (e.g. deepspeed)
     source_env: str | None = None  # run from a checkout named by this variable (NEMO_RL_SRC)
     torch: str | None = None  # a torch other than constraints.txt's (no CPU wheel for that Python)
     ci: bool = False
@@ -57,8 +59,10 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     version=entry["version"],
                     python=entry.get("python", spec["python"]),
                     install=tuple(entry.get("install", ())),
+                    no_deps=tuple(entry.get("no_deps", ())),
                     tests=tuple(entry.get("tests", spec["tests"])),
                     gpu_tests=tuple(entry.get("gpu_tests", spec.get("gpu_tests", ()))),
+                    gpu_install=tuple(entry.get("gpu_install", spec.get("gpu_install", ()))),
                     source_env=spec.get("source_env"),
                     torch=entry.get("torch", spec.get("torch")),
                     ci=bool(entry.get("ci", False)),

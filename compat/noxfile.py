@@ -73,7 +73,10 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
         session.skip(why)
     pins = _constraints(session, cell)
     session.install("-c", pins, "torch")
-    session.install("-c", pins, *cell.install, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
+    if cell.no_deps:
+        session.install("-c", pins, "--no-deps", *cell.no_deps)
+    extra = cell.gpu_install if tier == "gpu" else ()
+    session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
     session.install("--no-deps", "-e", str(ROOT))
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_PATCHES_TIER": tier, **cell.env}
     if cell.source_env:

@@ -40,6 +40,13 @@ def grpo_lm_head_loss(hidden, weight, labels, advantages, mask, options: Mapping
 
 
 @hookimpl(trylast=True)
+def grpo_lm_head_token_stats(hidden, weight, labels, mask, options: Mapping[str, Any]):
+    from grpo_patches.tiled_loss import tiled_token_stats
+
+    return tiled_token_stats(hidden, weight, labels, mask, **options)
+
+
+@hookimpl(trylast=True)
 def grpo_report_savings(framework: str, savings: Mapping[str, float]) -> None:
     from grpo_patches.savings import add_to_totals
 

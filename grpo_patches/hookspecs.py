@@ -124,6 +124,26 @@ def grpo_lm_head_loss(
     """
 
 
+@hookspec(firstresult=True)
+def grpo_lm_head_token_stats(
+    hidden: "torch.Tensor",
+    weight: "torch.Tensor",
+    labels: "torch.Tensor",
+    mask: "torch.Tensor | None",
+    options: Mapping[str, Any],
+) -> "tuple[torch.Tensor, torch.Tensor] | None":
+    """Per-token log-probs and entropies from hidden states and the lm-head weight, without gradients.
+
+    What an adapter needs before the loss when a token's weight depends on the policy's own
+    distribution (TRL's high-entropy mask: pass the mask to ``grpo_lm_head_loss`` as
+    ``policy_token_mask``). The default is :func:`grpo_patches.tiled_loss.tiled_token_stats`;
+    ``options`` are its keyword arguments (``bias``, ``temperature``, ``logit_scale``,
+    ``logit_softcap``, ``tile_size``).
+
+    :return: ``(logps, entropy)`` shaped like ``labels`` (0 where masked), or ``None`` to defer.
+    """
+
+
 @hookspec
 def grpo_report_savings(framework: str, savings: Mapping[str, float]) -> None:
     """Observe work saved (``{"old_logprob_passes_skipped": 1, ...}``, added to totals).

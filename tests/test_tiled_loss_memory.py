@@ -12,11 +12,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
 from tests.tiled_loss_helpers import make_case, max_rel, run
 
-#: bf16/fp16 inputs: both paths run the GEMMs in the input dtype and the softmax in fp32, so
-#: they differ by GEMM rounding only. Measured (5 seeds, max |a-b| / max |b|): bf16 tiled vs
-#: dense-bf16 <= 5.8e-3, vs dense-fp32 <= 8.6e-3 (dense-bf16 vs dense-fp32: 1.3e-2); fp16
-#: <= 7.7e-4 / 1.4e-3. Loss, log-probs, entropy: <= 1e-6 vs dense in the same dtype.
+#: bf16/fp16 inputs: the tiled GEMMs give fp32 results (gemm.py), so the tiled loss, log-probs and
+#: entropy are the fp32 answer for the rounded inputs (<= 2e-6) and its gradients that answer rounded
+#: to the input dtype. Measured (5 seeds, max |a-b| / max |b|): tiled grads vs fp32 <= 3.0e-3 bf16,
+#: 4.2e-4 fp16. The dense path rounds its logits to the input dtype: vs fp32 up to 2.3e-1 where that
+#: flips a clip decision (seed 8 here: <= 2e-2, the bound for tiled vs dense).
 LOW_PRECISION_RTOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+LOW_PRECISION_GRAD_RTOL = {torch.bfloat16: 6e-3, torch.float16: 1e-3}  # vs the fp32 answer
 
 
 class LargestTensor(TorchDispatchMode):
@@ -115,10 +117,11 @@ def test_low_precision_matches_dense_at_stated_tolerance(dtype):
     exact = run(dense_grpo_loss, fp32, **options)  # the fp32 answer for the same (rounded) inputs
     rtol = LOW_PRECISION_RTOL[dtype]
     for name, grad in exact[2].items():
-        assert max_rel(tiled[2][name], grad) <= rtol, name
+        assert max_rel(tiled[2][name], grad) <= LOW_PRECISION_GRAD_RTOL[dtype], name
     assert tiled[0].dtype == torch.float32
-    assert max_rel(tiled[0], dense[0]) <= rtol
+    assert max_rel(tiled[0], exact[0]) <= 1e-5 and max_rel(tiled[0], dense[0]) <= rtol
     for name in ("logps", "entropy", "kl_mean", "ratio_mean"):
+        assert max_rel(tiled[1][name], exact[1][name]) <= 1e-5, name
         assert max_rel(tiled[1][name], dense[1][name]) <= rtol, name
     for name, grad in dense[2].items():
         assert tiled[2][name].dtype == dtype, name

@@ -8,6 +8,7 @@ Compared: loss, gradients of hidden and weight, and the logged metrics.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import defaultdict
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from grpo_patches.adapters.trl.tiled import loss_options
-from grpo_patches.tiled_loss import tiled_grpo_loss
+from grpo_patches.tiled_loss import tiled_grpo_loss, tiled_token_stats
 from tests.tiled_loss_helpers import make_case, max_rel
 
 
@@ -35,7 +36,7 @@ GA, SPG, TEMPERATURE, MAX_LEN = 3, 2, 0.8, 9
 NUM_ITEMS = 40.0  # num_items_in_batch of the generation batch
 
 
-def _fake_trainer(loss_type, hidden, weight, *, beta, level, delta, entropy_coef, is_ratio):
+def _fake_trainer(loss_type, hidden, weight, *, beta, level, delta, entropy_coef, is_ratio, top_entropy_quantile=1.0):
     def per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs):
         logits = (hidden @ weight.t()) / TEMPERATURE
         log_probs = torch.log_softmax(logits, -1)
@@ -48,19 +49,22 @@ def _fake_trainer(loss_type, hidden, weight, *, beta, level, delta, entropy_coef
         vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, steps_per_generation=SPG,
     )
     identity = lambda x, **kw: x  # noqa: E731 - one process
-    return types.SimpleNamespace(
+    trainer = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=per_token_logps_and_entropies,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
+        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
         args=args, loss_type=loss_type, epsilon_low=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28,
         use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
         model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=GA,
         accelerator=types.SimpleNamespace(
-            num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity, sync_gradients=False
+            num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity, sync_gradients=False,
+            pad_across_processes=identity,
         ),
         _metrics={"train": defaultdict(list)}, _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef,
         use_adaptive_entropy=False, aux_loss_enabled=False, max_completion_length=MAX_LEN, temperature=TEMPERATURE,
         get_gamma_weights=GRPOTrainer.get_gamma_weights, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
     )
+    trainer.get_high_entropy_mask = functools.partial(GRPOTrainer.get_high_entropy_mask, trainer)
+    return trainer
 
 
 SETTINGS = {
@@ -116,3 +120,46 @@ def test_matches_trl_compute_loss(loss_type, setting):
                 assert metrics[ours].item() == pytest.approx(logged[f"clip_ratio/{theirs}"], abs=1e-6)
         if loss_type == "cispo":
             assert metrics["clip_frac_high"].item() == pytest.approx(logged["cispo_clip_ratio"], abs=1e-6)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_entropy_mask_matches_trl_compute_loss(loss_type, entropy_coef):
+    """top_entropy_quantile < 1: the adapter's recipe (tiled_token_stats -> TRL's own get_high_entropy_mask ->
+    policy_token_mask / entropy_token_mask) gives TRL's loss and gradients."""
+    quantile = 0.6  # threshold at position 0.4 * (n - 1) of the sorted entropies: between two tokens
+    case = make_case(bias=False, seed=23)
+    mask = case["mask"]
+    settings = dict(beta=0.04, level="token", delta=None, entropy_coef=entropy_coef)
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"].clone().requires_grad_()
+    trainer = _fake_trainer(loss_type, hidden, weight, is_ratio=None, top_entropy_quantile=quantile, **settings)
+    B, T = mask.shape
+    inputs = {
+        "prompt_ids": torch.zeros(B, 0, dtype=torch.long), "prompt_mask": torch.zeros(B, 0, dtype=torch.long),
+        "completion_ids": case["labels"], "completion_mask": mask.long(), "advantages": case["advantages"],
+        "old_per_token_logps": case["old_logps"], "ref_per_token_logps": case["ref_logps"],
+        "num_items_in_batch": torch.tensor(NUM_ITEMS),
+    }
+    trl_loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    trl_loss.backward()
+    with torch.no_grad():
+        _, trl_entropies, _ = trainer._get_per_token_logps_and_entropies(None, case["labels"], mask, T)
+    trl_mask = trainer.get_high_entropy_mask(trl_entropies, mask.long(), 1 - quantile)
+
+    # the adapter: entropies from the tiled pass, TRL's own function for the mask
+    _, entropies = tiled_token_stats(case["hidden"], case["weight"], case["labels"], mask, temperature=TEMPERATURE)
+    entropy_mask = trainer.get_high_entropy_mask(entropies, mask.long(), 1 - quantile)
+    assert torch.equal(entropy_mask, trl_mask) and 0 < entropy_mask.sum() < mask.sum()
+    options = loss_options(trainer, inputs, torch.arange(B))
+    if entropy_coef:  # TRL's bonus: a mean over mask * entropy_mask
+        options["entropy_token_mask"] = entropy_mask
+        options["entropy_normalizer"] = float((mask * entropy_mask).sum().clamp(min=1.0)) * GA
+    h2 = case["hidden"].clone().requires_grad_()
+    w2 = case["weight"].clone().requires_grad_()
+    loss, _ = tiled_grpo_loss(h2, w2, case["labels"], case["advantages"], mask, policy_token_mask=entropy_mask,
+                              tile_size=4, **options)
+    loss.backward()
+    assert max_rel(loss.detach(), trl_loss.detach()) <= 1e-5
+    assert max_rel(h2.grad, hidden.grad) <= 1e-5
+    assert max_rel(w2.grad, weight.grad) <= 1e-5

@@ -18,6 +18,7 @@ import grpo_patches
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 from grpo_patches.plugins import hook
 from grpo_patches.adapters.trl.loss_types import denominator as trl_denominator
+from grpo_patches.adapters.verl.loss_modes import denominator as verl_denominator
 from grpo_patches.zero_advantage import (
     DENOMINATORS,
     GradientTerm,
@@ -47,17 +48,27 @@ CASES = {
     "trl-dapo": ("trl", "dapo", trl_denominator("dapo"), lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
     "trl-cispo": ("trl", "cispo", trl_denominator("cispo"), lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
     "trl-vespo": ("trl", "vespo", trl_denominator("vespo"), lambda l, m: (l * m).sum() / (NUM_ITEMS / 2 * GA / 2)),
-    "verl07-token-mean": ("verl", "token-mean", "tokens", lambda l, m: (l * m).sum() / (m.sum() + 1e-8)),
-    "verl07-seq-mean-token-sum": ("verl", "seq-mean-token-sum", "rows", lambda l, m: (l * m).sum(-1).mean()),
+    "verl07-token-mean": ("verl", "token-mean", verl_denominator("legacy", "token-mean"),
+                          lambda l, m: (l * m).sum() / m.sum()),
+    "verl07-seq-mean-token-sum": ("verl", "seq-mean-token-sum", verl_denominator("legacy", "seq-mean-token-sum"),
+                                  lambda l, m: (l * m).sum(-1).sum() / (m.sum(-1) > 0).sum()),
     "verl07-seq-mean-token-mean": (
-        "verl", "seq-mean-token-mean", "rows", lambda l, m: _row_mean(l, m, clamp=False).mean()
+        "verl", "seq-mean-token-mean", verl_denominator("legacy", "seq-mean-token-mean"),
+        lambda l, m: _row_mean(l, m, clamp=False).mean()
     ),
     "verl07-seq-mean-token-sum-norm": (
-        "verl", "seq-mean-token-sum-norm", "fixed", lambda l, m: (l * m).sum() / m.shape[-1]
+        "verl", "seq-mean-token-sum-norm", verl_denominator("legacy", "seq-mean-token-sum-norm"),
+        lambda l, m: (l * m).sum() / (m.sum(-1) > 0).sum() / m.shape[-1]
     ),
-    "verl09-token-mean": ("verl", "token-mean", "fixed", lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
+    "verl06-seq-mean-token-sum-norm": (
+        "verl", "seq-mean-token-sum-norm", verl_denominator("legacy-0.6", "seq-mean-token-sum-norm"),
+        lambda l, m: (l * m).sum() / m.shape[-1]
+    ),
+    "verl09-token-mean": ("verl", "token-mean", verl_denominator("engine", "token-mean"),
+                          lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
     "verl09-seq-mean-token-mean": (
-        "verl", "seq-mean-token-mean", "fixed", lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS
+        "verl", "seq-mean-token-mean", verl_denominator("engine", "seq-mean-token-mean"),
+        lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS
     ),
     "nemo_rl-token": ("nemo_rl", "token", "fixed", lambda l, m: (l * m).sum() / GLOBAL_TOKENS),
     "nemo_rl-sequence": ("nemo_rl", "sequence", "fixed", lambda l, m: _row_mean(l, m).sum() / GLOBAL_ROWS),

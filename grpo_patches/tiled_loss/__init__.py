@@ -3,7 +3,8 @@
 :func:`tiled_grpo_loss` projects hidden states through the lm-head weight one tile of
 tokens at a time, computes the GRPO objective and its gradients for that tile, and keeps
 only one ``[tile, vocab]`` fp32 logits buffer alive. :func:`dense_grpo_loss` is the plain
-reference with the same signature.
+reference with the same signature. :func:`tiled_token_stats` is the no-grad tiled pass that
+returns per-token log-probs and entropies (e.g. for TRL's high-entropy token mask).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grpo_patches.tiled_loss.function import LoopResult, TiledGRPOLossFunction
 from grpo_patches.tiled_loss.inputs import flatten_inputs
 from grpo_patches.tiled_loss.metrics import build_metrics
 from grpo_patches.tiled_loss.options import AGGREGATIONS, OBJECTIVES, TRL_LOSS_TYPES, LossOptions, resolve_options
+from grpo_patches.tiled_loss.token_stats import tiled_token_stats
 from grpo_patches.tiled_loss.zero3 import gathered_weight
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "dense_grpo_loss",
     "resolve_options",
     "tiled_grpo_loss",
+    "tiled_token_stats",
 ]
 
 
@@ -43,9 +46,15 @@ def tiled_grpo_loss(
     temperature: float = 1.0,
     is_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    policy_token_mask: torch.Tensor | None = None,
+    entropy_token_mask: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO policy loss of ``softmax((hidden @ weight.T + bias) / temperature)`` at ``labels``.
+    """GRPO policy loss of ``softmax(logits / temperature)`` at ``labels``.
+
+    ``logits = hidden @ weight.T + bias``, then the model's own transforms in the order the HF
+    models apply them: ``* logit_scale``, then ``logit_softcap * tanh(logits / logit_softcap)``;
+    the temperature division comes last (TRL divides the model's logits).
 
     :param hidden: ``[B, T, H]`` or ``[N, H]`` (fp32, bf16, fp16 or fp64) hidden states
         aligned with ``labels`` (already shifted: ``hidden[t]`` predicts ``labels[t]``).
@@ -64,6 +73,12 @@ def tiled_grpo_loss(
         folds them into its sequence ratio instead, as TRL does.
     :param sampling_logps: generator log-probs for the off-policy sequence mask
         (default ``old_logps``).
+    :param policy_token_mask: per-token multiplier of the policy term (not the KL term), e.g.
+        TRL's high-entropy mask (``top_entropy_quantile < 1``). Only a multiplier: every
+        aggregation's denominators still come from ``mask`` (and ``normalizer``), and metrics
+        stay means over ``mask``.
+    :param entropy_token_mask: the same for the entropy-bonus term; its denominators come from
+        ``mask`` too, so pass ``entropy_normalizer`` for TRL's ``sum(mask * entropy_mask)``.
     :param options: keyword options, see :class:`~grpo_patches.tiled_loss.options.LossOptions`:
         ``loss_type`` (TRL preset, default ``"dapo"``; ``None`` for none), ``objective``
         (clip/cispo/sapo/vespo), ``aggregation`` (token-mean, seq-mean-token-mean,
@@ -75,7 +90,10 @@ def tiled_grpo_loss(
         ``importance_sampling_level`` (token/sequence), ``log_ratio_clamp``,
         ``off_policy_mask_threshold``, ``beta`` (KL coefficient, 0), ``kl_estimator``
         (k1/k2/k3), ``kl_clamp``, ``kl_ratio_correction`` (TRL use_bias_correction_kl),
-        ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``tile_size``,
+        ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``logit_scale``
+        (multiplier of the raw logits, 1.0: Cohere's ``logit_scale``, Granite's
+        ``1 / logits_scaling``), ``logit_softcap`` (Gemma-2's ``final_logit_softcapping``;
+        ``None``: off), ``tile_size``,
         ``tile_memory_bytes`` (fp32 logits-tile budget, 512 MiB; the default tile is also capped at 512 tokens), ``return_logps``,
         ``return_entropy``, ``return_token_metrics``, ``retain_grads`` (keep the stored
         gradients so that backward may run more than once, e.g. gradcheck; costs a copy).
@@ -86,24 +104,22 @@ def tiled_grpo_loss(
     """
     opts = resolve_options(temperature=temperature, **options)
     with gathered_weight(weight, bias):  # ZeRO-3: the full weight for this forward only
-        return _tiled_loss(hidden, weight, labels, advantages, mask, old_logps, ref_logps, bias,
-                           is_weights, sampling_logps, opts)
+        return _tiled_loss(hidden, weight, labels, advantages, mask, opts, old_logps=old_logps,
+                           ref_logps=ref_logps, bias=bias, is_weights=is_weights, sampling_logps=sampling_logps,
+                           policy_token_mask=policy_token_mask, entropy_token_mask=entropy_token_mask)
 
 
-def _tiled_loss(hidden, weight, labels, advantages, mask, old_logps, ref_logps, bias, is_weights,
-                sampling_logps, opts: LossOptions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _tiled_loss(hidden, weight, labels, advantages, mask, opts: LossOptions, *, bias,
+                **per_token: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     batch = flatten_inputs(
         hidden,
         weight,
         labels,
         advantages,
         mask,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        is_weights=is_weights,
-        sampling_logps=sampling_logps,
         bias=bias,
         opts=opts,
+        **per_token,
     )
     grad_on = torch.is_grad_enabled()
     needs = (

@@ -31,6 +31,8 @@ def dense_grpo_loss(
     temperature: float = 1.0,
     is_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    policy_token_mask: torch.Tensor | None = None,
+    entropy_token_mask: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dense reference of :func:`~grpo_patches.tiled_loss.tiled_grpo_loss` (same arguments)."""
@@ -45,12 +47,20 @@ def dense_grpo_loss(
         ref_logps=ref_logps,
         is_weights=is_weights,
         sampling_logps=sampling_logps,
+        policy_token_mask=policy_token_mask,
+        entropy_token_mask=entropy_token_mask,
         bias=bias,
         opts=opts,
     )
     acc = batch.mask.dtype
     h2d = hidden.reshape(-1, hidden.shape[-1])
-    logits = torch.nn.functional.linear(h2d, weight, bias).to(acc) / temperature
+    logits = torch.nn.functional.linear(h2d, weight, bias).to(acc)
+    # the model's own logit transforms (Cohere/Granite scale, then Gemma-2's softcap), then TRL's temperature
+    if opts.logit_scale != 1.0:
+        logits = logits * opts.logit_scale
+    if opts.logit_softcap is not None:
+        logits = torch.tanh(logits / opts.logit_softcap) * opts.logit_softcap
+    logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logps = log_probs.gather(1, batch.labels[:, None]).squeeze(1)
     entropy = None
@@ -64,6 +74,7 @@ def dense_grpo_loss(
         ref_logps=batch.ref_logps,
         is_weights=batch.is_weights,
         sampling_logps=batch.sampling_logps,
+        policy_token_mask=batch.policy_token_mask,
         row=batch.row,
         n_rows=batch.n_rows,
     )
@@ -76,7 +87,8 @@ def dense_grpo_loss(
             agg, norm = opts.aggregation, opts.normalizer
         else:
             agg, norm = opts.entropy_aggregation, opts.entropy_normalizer
-        loss = loss - opts.entropy_coef * aggregate_dense(entropy.reshape(shape), mask, agg, norm, opts)
+        bonus = entropy if entropy_token_mask is None else entropy * entropy_token_mask.reshape(-1).to(acc)
+        loss = loss - opts.entropy_coef * aggregate_dense(bonus.reshape(shape), mask, agg, norm, opts)
 
     m = batch.mask
     values = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_patches.tiled_loss.gemm import LmHead, without_autocast
 from grpo_patches.tiled_loss.inputs import FlatBatch
 from grpo_patches.tiled_loss.objective import TokenInputs, token_objective
 from grpo_patches.tiled_loss.options import LossOptions
@@ -23,6 +24,8 @@ from grpo_patches.tiled_loss.tile_math import (
     apply_tile_grads,
     compute_logits,
     explicit_logit_grad,
+    fold_onehot_,
+    label_chain,
     softmax_stats,
 )
 from grpo_patches.tiled_loss.tiling import choose_tile_size, tile_bounds
@@ -56,6 +59,7 @@ def _tile_inputs(batch: FlatBatch, idx: torch.Tensor) -> TokenInputs:
         ref_logps=_take(batch.ref_logps, idx),
         is_weights=_take(batch.is_weights, idx),
         sampling_logps=_take(batch.sampling_logps, idx),
+        policy_token_mask=_take(batch.policy_token_mask, idx),
         row=row,
         n_rows=n_rows,
     )
@@ -95,10 +99,14 @@ def run_tiles(
 
     max_rows = max(e - s for s, e in bounds)
     logits_buf = torch.empty(max_rows, vocab, dtype=acc, device=hidden.device)
-    low_precision = hidden.dtype not in (torch.float32, torch.float64)
-    lp_buf = torch.empty(max_rows, vocab, dtype=hidden.dtype, device=hidden.device) if low_precision else None
+    head = LmHead.for_inputs(weight, bias, acc)
+    rounds = grads is not None and head.rounds_logit_grad
+    lp_buf = torch.empty(max_rows, vocab, dtype=weight.dtype, device=hidden.device) if rounds else None
     entropy_grad = grads is not None and opts.entropy_coef != 0.0
-    inv_t = 1.0 / opts.temperature
+    softcap_grad = grads is not None and opts.logit_softcap is not None
+    # what the logits buffer must hold for the gradient: the softcap's tanh, log p for the
+    # entropy term, else p
+    leave = "any" if grads is None else "tanh" if softcap_grad else "log_probs" if entropy_grad else "probs"
 
     for start, end in bounds:
         n = end - start
@@ -107,9 +115,8 @@ def run_tiles(
         h_tile = hidden[token_index]
         labels = batch.labels[idx]
         z = logits_buf[:n]
-        lpb = None if lp_buf is None else lp_buf[:n]
-        compute_logits(z, h_tile, weight, bias, opts.temperature, lpb)
-        stats = softmax_stats(z, labels, opts.needs_entropy, keep_log_probs=entropy_grad)
+        compute_logits(z, h_tile, head, opts, keep_tanh=softcap_grad)
+        stats = softmax_stats(z, labels, opts.needs_entropy, opts, leave=leave)
 
         inputs = _tile_inputs(batch, idx)
         with torch.enable_grad():
@@ -129,14 +136,19 @@ def run_tiles(
         if grads is not None:
             g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
             g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
-            if entropy_grad or low_precision:
-                explicit_logit_grad(z, stats, g, g_entropy, log_probs=entropy_grad)
-                if inv_t != 1.0:
-                    z.mul_(inv_t)
+            onehot = g * label_chain(stats, opts)
+            if entropy_grad or softcap_grad or rounds:
+                explicit_logit_grad(z, stats, g, g_entropy, leave, opts)
                 row_scale = None
             else:
-                row_scale = -g * inv_t
-            apply_tile_grads(grads, z, row_scale, g * inv_t, h_tile, weight, labels, token_index, lpb)
+                row_scale = -g * opts.logit_chain
+            dense_lp = None
+            if rounds:
+                fold_onehot_(z, labels, onehot)
+                onehot = None
+                dense_lp = lp_buf[:n]
+                dense_lp.copy_(z)
+            apply_tile_grads(grads, head, z, dense_lp, row_scale, onehot, h_tile, labels, token_index)
     return loss
 
 
@@ -180,7 +192,8 @@ class TiledGRPOLossFunction(torch.autograd.Function):
                 bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
             )
         batch.hidden = hidden
-        loss = run_tiles(batch, weight, bias, opts, grads, result)
+        with without_autocast(hidden.device):
+            loss = run_tiles(batch, weight, bias, opts, grads, result)
         if grads is not None and grads.weight is not None and not grads.weight_written:
             grads.weight.zero_()  # no unmasked token: the gradient is zero
         ctx.grads = grads

@@ -20,11 +20,12 @@ class FlatBatch:
     mask: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor  # aggregation weight of each token's policy loss
-    entropy_weights: torch.Tensor | None
+    entropy_weights: torch.Tensor | None  # aggregation weight of each token's entropy bonus (times entropy_token_mask)
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None
     is_weights: torch.Tensor | None
     sampling_logps: torch.Tensor | None
+    policy_token_mask: torch.Tensor | None
     row: torch.Tensor | None  # row of each token ([B, T] inputs only)
     n_rows: int
     token_shape: torch.Size  # shape of labels, for per-token outputs
@@ -46,21 +47,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def flatten_inputs(
+def check_head_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    advantages: torch.Tensor,
     mask: torch.Tensor | None,
-    *,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    sampling_logps: torch.Tensor | None,
     bias: torch.Tensor | None,
-    opts: LossOptions,
-) -> FlatBatch:
-    """Check shapes and build the flat batch with its aggregation weights."""
+) -> torch.Tensor:
+    """Check the lm-head inputs' shapes and dtypes; returns the mask (all ones when ``None``)."""
     if hidden.dim() not in (2, 3):
         raise OptionError(f"hidden must be [N, H] or [B, T, H]; got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -78,6 +72,28 @@ def flatten_inputs(
         mask = torch.ones(shape, device=hidden.device)
     if mask.shape != shape:
         raise OptionError(f"mask has shape {tuple(mask.shape)}; expected {tuple(shape)}")
+    return mask
+
+
+def flatten_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    sampling_logps: torch.Tensor | None,
+    policy_token_mask: torch.Tensor | None = None,
+    entropy_token_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None,
+    opts: LossOptions,
+) -> FlatBatch:
+    """Check shapes and build the flat batch with its aggregation weights."""
+    mask = check_head_inputs(hidden, weight, labels, mask, bias)
+    shape = hidden.shape[:-1]
     acc = accumulation_dtype(hidden.dtype)
     mask = mask.detach().to(acc)
     advantages = torch.as_tensor(advantages, device=hidden.device).detach().to(acc)
@@ -105,6 +121,11 @@ def flatten_inputs(
         else:
             entropy_weights = token_weights(mask, opts.entropy_aggregation, opts.entropy_normalizer, opts)
             entropy_weights = entropy_weights.reshape(-1)
+        entropy_mask = _per_token("entropy_token_mask", entropy_token_mask, shape, acc)
+        if entropy_mask is not None:  # a multiplier only: the denominators stay the mask's
+            entropy_weights = entropy_weights * entropy_mask
+    else:
+        _per_token("entropy_token_mask", entropy_token_mask, shape, acc)  # checked, unused without the bonus
     row = None
     n_rows = 0
     if hidden.dim() == 3:
@@ -122,6 +143,7 @@ def flatten_inputs(
         ref_logps=_per_token("ref_logps", ref_logps, shape, acc),
         is_weights=_per_token("is_weights", is_weights, shape, acc),
         sampling_logps=_per_token("sampling_logps", sampling_logps, shape, acc),
+        policy_token_mask=_per_token("policy_token_mask", policy_token_mask, shape, acc),
         row=row,
         n_rows=n_rows,
         token_shape=shape,

@@ -27,6 +27,7 @@ class TokenInputs:
     ref_logps: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     sampling_logps: torch.Tensor | None = None
+    policy_token_mask: torch.Tensor | None = None  # multiplier of the policy term (e.g. TRL's entropy mask)
     row: torch.Tensor | None = None  # local row index of each token, 0..n_rows-1
     n_rows: int = 0
 
@@ -136,6 +137,8 @@ def token_objective(
         avg = row_sum(kl_div * inputs.mask, inputs) / row_sum(inputs.mask, inputs).clamp(min=1.0)
         keep = (adv >= 0) | (avg <= opts.off_policy_mask_threshold)
         loss = loss * keep.to(loss.dtype)
+    if inputs.policy_token_mask is not None:  # where TRL applies its entropy mask: after the sequence mask
+        loss = loss * inputs.policy_token_mask
     if inputs.is_weights is not None and opts.objective != "vespo":
         loss = loss * inputs.is_weights
     if opts.beta != 0.0:

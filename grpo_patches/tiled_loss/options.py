@@ -7,6 +7,7 @@ presets of both; ``objective=`` / ``aggregation=`` given explicitly override the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,12 +71,19 @@ class LossOptions:
     normalizer: float | None = None
     max_completion_length: int | None = None
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
     tile_size: int | None = None
     tile_memory_bytes: int = DEFAULT_TILE_MEMORY_BYTES
     return_logps: bool = False
     return_entropy: bool = False
     return_token_metrics: bool = False
     retain_grads: bool = False
+
+    @property
+    def logit_chain(self) -> float:
+        """d(logit)/d(raw lm-head output) apart from the softcap's ``1 - tanh^2``: ``logit_scale / temperature``."""
+        return self.logit_scale / self.temperature
 
     @property
     def needs_whole_rows(self) -> bool:
@@ -137,6 +145,10 @@ def resolve_options(**kwargs: Any) -> LossOptions:
         raise OptionError("objective='cispo' needs cispo_max_ratio (TRL passes epsilon_high, e.g. 5.0)")
     if not opts.temperature > 0:
         raise OptionError(f"temperature={opts.temperature!r} must be > 0")
+    if not math.isfinite(opts.logit_scale):
+        raise OptionError(f"logit_scale={opts.logit_scale!r} must be a finite number (1.0: no scaling)")
+    if opts.logit_softcap is not None and not (math.isfinite(opts.logit_softcap) and opts.logit_softcap > 0):
+        raise OptionError(f"logit_softcap={opts.logit_softcap!r} must be > 0 (Gemma-2's final_logit_softcapping) or None")
     if opts.delta is not None and opts.delta <= 1.0:
         raise OptionError(f"delta={opts.delta!r} (dual-clip ratio cap) must be > 1 (verl's clip_ratio_c, e.g. 3.0)")
     if opts.tile_size is not None and opts.tile_size < 1:

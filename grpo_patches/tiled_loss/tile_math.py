@@ -1,11 +1,14 @@
 """The [tile, vocab] work of one tile: logits, log-softmax statistics, and the gradient GEMMs.
 
 The logits buffer is reused for every tile and modified in place (log-softmax, then exp:
-two fused passes). With ``z = (h W^T + b) / T``, ``p = softmax(z)`` and ``g = dL/dlogp``,
-the gradient of the loss w.r.t. the raw logits is ``(g * onehot(y) - g * p) / T`` (plus an
-entropy term). The dense part ``-g p / T = diag(s) p`` with ``s = -g / T`` is applied as a
-row scale on the small side of the GEMMs (``[tile, H]``), so no extra pass over the logits
-is needed; the one-hot part is a gather / index_add of ``tile`` rows.
+two fused passes). The logits are ``z = c(r) / T`` of the raw lm-head output ``r = h W^T + b``,
+with ``c(r) = s r`` or, with a softcap, ``c(r) = cap tanh(s r / cap)`` (``s = logit_scale``).
+With ``p = softmax(z)`` and ``g = dL/dlogp``, the gradient w.r.t. ``r`` is
+``(g onehot(y) - g p) * k`` (plus an entropy term), ``k = s / T`` times ``1 - tanh^2`` with a
+softcap. Without softcap or entropy term, the dense part ``-g k p = diag(-g k) p`` is applied
+as a row scale on the small side of the GEMMs (``[tile, H]``), so no extra pass over the logits
+is needed; the one-hot part is a gather / index_add of ``tile`` rows. The GEMMs themselves, per
+input dtype, are :mod:`~grpo_patches.tiled_loss.gemm`'s.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from grpo_patches.tiled_loss.gemm import LmHead
+from grpo_patches.tiled_loss.options import LossOptions
 
 #: Rows per block of the optional entropy passes (32 x 151936 fp32 = 19 MB of scratch).
 ROW_BLOCK = 32
@@ -22,32 +28,25 @@ ROW_BLOCK = 32
 class TileStats:
     logps: torch.Tensor  # [n] log-prob of each label
     entropy: torch.Tensor | None  # [n]
+    lse: torch.Tensor | None = None  # [n] log-sum-exp of each row's logits (softcap: the buffer keeps tanh)
+    label_tanh: torch.Tensor | None = None  # [n] the softcap's tanh at each label (same case)
 
 
-def compute_logits(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    low_precision_buffer: torch.Tensor | None,
-) -> None:
-    """``out[:] = (hidden @ weight.T + bias) / temperature`` in out's (accumulation) dtype."""
-    inv_t = 1.0 / temperature
-    if low_precision_buffer is None:
-        if bias is None:
-            torch.addmm(out, hidden, weight.t(), beta=0, alpha=inv_t, out=out)
-        else:
-            torch.addmm(bias, hidden, weight.t(), beta=inv_t, alpha=inv_t, out=out)
+def compute_logits(out: torch.Tensor, hidden: torch.Tensor, head: LmHead, opts: LossOptions, keep_tanh: bool) -> None:
+    """``out[:] = c(hidden @ W.T + b) / T`` (module docstring) in out's (accumulation) dtype.
+
+    With a softcap and ``keep_tanh``, ``out`` holds ``tanh(s r / cap)`` instead (the logits are
+    that times ``cap / T``): the gradient's ``1 - tanh^2`` is then exact, where recovering tanh
+    from rounded logits loses ulps that ``1 / (1 - tanh^2)`` amplifies at saturated logits.
+    """
+    if opts.logit_softcap is None:
+        head.logits(out, hidden, opts.logit_scale / opts.temperature)
         return
-    # bf16/fp16: the GEMM runs in the input dtype (as the dense path does), softmax in fp32
-    if bias is None:
-        torch.mm(hidden, weight.t(), out=low_precision_buffer)
-    else:
-        torch.addmm(bias, hidden, weight.t(), out=low_precision_buffer)
-    out.copy_(low_precision_buffer)
-    if temperature != 1.0:
-        out.mul_(inv_t)
+    cap = opts.logit_softcap
+    head.logits(out, hidden, opts.logit_scale / cap)
+    out.tanh_()
+    if not keep_tanh:
+        out.mul_(cap / opts.temperature)
 
 
 def _log_softmax_(z: torch.Tensor) -> None:
@@ -63,11 +62,33 @@ def _log_softmax_(z: torch.Tensor) -> None:
             blk.copy_(torch.log_softmax(blk, 1))
 
 
-def softmax_stats(z: torch.Tensor, labels: torch.Tensor, need_entropy: bool, keep_log_probs: bool) -> TileStats:
-    """Log-prob of the labels (and entropy) of logits ``z``; ``z`` is overwritten.
+def _stats_from_tanh(t: torch.Tensor, labels: torch.Tensor, need_entropy: bool, opts: LossOptions) -> TileStats:
+    """Statistics of the logits ``t * cap / T`` without overwriting ``t`` (``ROW_BLOCK x V`` of scratch)."""
+    to_logit = opts.logit_softcap / opts.temperature
+    lse = torch.empty(t.shape[0], dtype=t.dtype, device=t.device)
+    entropy = torch.empty_like(lse) if need_entropy else None
+    for r0 in range(0, t.shape[0], ROW_BLOCK):
+        sl = slice(r0, r0 + ROW_BLOCK)
+        z = t[sl] * to_logit
+        lse[sl] = torch.logsumexp(z, 1)
+        if need_entropy:
+            log_p = z.sub_(lse[sl, None])
+            entropy[sl] = -torch.bmm(torch.exp(log_p).unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)
+    label_tanh = t.gather(1, labels[:, None]).squeeze(1)
+    return TileStats(logps=label_tanh * to_logit - lse, entropy=entropy, lse=lse, label_tanh=label_tanh)
 
-    Afterwards ``z`` holds the probabilities ``p`` or, with ``keep_log_probs``, ``log p``.
+
+def softmax_stats(
+    z: torch.Tensor, labels: torch.Tensor, need_entropy: bool, opts: LossOptions, leave: str = "probs"
+) -> TileStats:
+    """Log-prob of the labels (and entropy) of logits ``z``, leaving ``z`` holding ``leave``.
+
+    ``leave``: ``"probs"`` (``p``), ``"log_probs"`` (``log p``), ``"any"`` (cheapest: no
+    gradient follows) or ``"tanh"``: ``z`` held the softcap's tanh (:func:`compute_logits`
+    with ``keep_tanh``) and keeps it; the stats then carry each row's log-sum-exp.
     """
+    if leave == "tanh":
+        return _stats_from_tanh(z, labels, need_entropy, opts)
     _log_softmax_(z)
     logps = z.gather(1, labels[:, None]).squeeze(1)
     entropy = None
@@ -77,30 +98,44 @@ def softmax_stats(z: torch.Tensor, labels: torch.Tensor, need_entropy: bool, kee
             blk = z[r0 : r0 + ROW_BLOCK]
             p = torch.exp(blk)
             entropy[r0 : r0 + ROW_BLOCK] = -torch.bmm(p.unsqueeze(1), blk.unsqueeze(2)).reshape(-1)
-            if not keep_log_probs:
+            if leave == "probs":
                 blk.copy_(p)
-    elif not keep_log_probs:
+    elif leave == "probs":
         z.exp_()
     return TileStats(logps=logps, entropy=entropy)
 
 
-def explicit_logit_grad(
-    z: torch.Tensor, stats: TileStats, g: torch.Tensor, g_entropy: torch.Tensor | None, log_probs: bool
-) -> None:
-    """Overwrite ``z`` with the dense part of dL/dz (everything but ``g * onehot``), in place.
+def label_chain(stats: TileStats, opts: LossOptions) -> torch.Tensor | float:
+    """d z_y / d r_y of each row's label: ``s / T``, times ``1 - tanh^2`` at the label with a softcap."""
+    if opts.logit_softcap is None:
+        return opts.logit_chain
+    return opts.logit_chain * (1 - stats.label_tanh * stats.label_tanh)
 
-    ``z`` holds ``p`` (``log_probs=False``) or ``log p`` (needed for the entropy gradient
-    dH/dz_j = -p_j (log p_j + H)).
+
+def explicit_logit_grad(
+    z: torch.Tensor, stats: TileStats, g: torch.Tensor, g_entropy: torch.Tensor | None, holds: str, opts: LossOptions
+) -> None:
+    """Overwrite ``z`` with the dense part of dL/dr (everything but the one-hot term), in place.
+
+    ``z`` holds (``holds``) ``"probs"`` (no entropy term, no softcap), ``"log_probs"`` (the
+    entropy gradient dH/dz_j = -p_j (log p_j + H) needs them) or, with a softcap, ``"tanh"``
+    (``log p = tanh * cap / T - lse``, and the chain factor ``1 - tanh^2``).
     """
-    if not log_probs:
-        z.mul_((-g)[:, None])
+    chain = opts.logit_chain
+    if holds == "probs":
+        z.mul_((-g * chain)[:, None])
         return
-    h = g_entropy if g_entropy is not None else torch.zeros_like(g)
-    alpha = -g - h * stats.entropy
+    h = (g_entropy if g_entropy is not None else torch.zeros_like(g)) * chain
+    alpha = -g * chain if stats.entropy is None else (-g * chain - h * stats.entropy)
     for r0 in range(0, z.shape[0], ROW_BLOCK):
         sl = slice(r0, r0 + ROW_BLOCK)
         blk = z[sl]
-        p = torch.exp(blk)
+        if holds == "tanh":
+            dtanh = torch.mul(blk, blk).neg_().add_(1)  # 1 - tanh^2
+            blk.mul_(opts.logit_softcap / opts.temperature).sub_(stats.lse[sl, None])  # log p
+            p = torch.exp(blk).mul_(dtanh)
+        else:
+            p = torch.exp(blk)
         blk.mul_(-h[sl, None]).add_(alpha[sl, None]).mul_(p)
 
 
@@ -112,53 +147,54 @@ class GradBuffers:
     weight_written: bool = False
 
 
+def fold_onehot_(dense: torch.Tensor, labels: torch.Tensor, onehot_coef: torch.Tensor) -> None:
+    """Add the one-hot term into the dense gradient (before it is rounded to a low-precision GEMM operand)."""
+    dense.scatter_add_(1, labels[:, None], onehot_coef[:, None].to(dense.dtype))
+
+
 def apply_tile_grads(
     grads: GradBuffers,
+    head: LmHead,
     dense: torch.Tensor,
+    dense_lp: torch.Tensor | None,
     row_scale: torch.Tensor | None,
-    onehot_coef: torch.Tensor,
+    onehot_coef: torch.Tensor | None,
     hidden: torch.Tensor,
-    weight: torch.Tensor,
     labels: torch.Tensor,
     token_index: torch.Tensor | slice,
-    low_precision_buffer: torch.Tensor | None,
 ) -> None:
-    """Accumulate one tile's gradients: dL/dlogits = diag(row_scale) dense + onehot_coef * onehot(labels).
+    """Accumulate one tile's gradients: dL/dr = diag(row_scale) dense + onehot_coef * onehot(labels).
 
     ``dense`` is E (with ``row_scale``) or the explicit dense part (``row_scale=None``);
-    ``onehot_coef`` is ``g / T``. Everything already includes the 1/temperature factor.
+    ``onehot_coef`` is ``g`` times the label's chain factor, ``None`` once folded into ``dense``
+    (then ``dense_lp`` is ``dense`` rounded to the input dtype, the GEMM operand).
     """
     acc = dense.dtype
-    if low_precision_buffer is not None:
-        low_precision_buffer.copy_(dense)
-        gemm_dense = low_precision_buffer
-    else:
-        gemm_dense = dense
     if grads.hidden is not None:
-        gh = gemm_dense @ weight  # [n, H]
-        gh = gh.to(acc) if gh.dtype != acc else gh
+        gh = head.grad_hidden(dense, dense_lp)  # [n, H]
         if row_scale is not None:
             gh.mul_(row_scale[:, None])
-        gh.addcmul_(onehot_coef[:, None], weight.index_select(0, labels).to(acc))
+        if onehot_coef is not None:
+            gh.addcmul_(onehot_coef[:, None], head.weight.index_select(0, labels).to(acc))
         if isinstance(token_index, slice):
             grads.hidden[token_index] = gh
         else:
             grads.hidden.index_copy_(0, token_index, gh)
     if grads.weight is not None:
-        h_acc = hidden.to(acc)
-        scaled = h_acc if row_scale is None else h_acc * row_scale[:, None]
         first = not grads.weight_written  # the first tile overwrites: no zero-fill pass over [V, H]
-        if low_precision_buffer is None:
-            grads.weight.addmm_(gemm_dense.t(), scaled, beta=0 if first else 1)
-        elif first:
-            grads.weight.copy_(gemm_dense.t() @ scaled.to(hidden.dtype))
+        if dense_lp is not None:
+            head.grad_weight_(grads.weight, dense, dense_lp, hidden, first)
         else:
-            grads.weight.add_(gemm_dense.t() @ scaled.to(hidden.dtype))
+            h_acc = hidden.to(acc)
+            scaled = h_acc if row_scale is None else h_acc * row_scale[:, None]
+            head.grad_weight_(grads.weight, dense, None, scaled, first)
         grads.weight_written = True
-        grads.weight.index_add_(0, labels, h_acc * onehot_coef[:, None])
+        if onehot_coef is not None:
+            grads.weight.index_add_(0, labels, hidden.to(acc) * onehot_coef[:, None])
     if grads.bias is not None:
         if row_scale is None:
             grads.bias.add_(dense.sum(0))
         else:
             grads.bias.addmv_(dense.t(), row_scale)
-        grads.bias.index_add_(0, labels, onehot_coef)
+        if onehot_coef is not None:
+            grads.bias.index_add_(0, labels, onehot_coef)

@@ -1,0 +1,164 @@
+"""Zero-advantage filter for verl's engine workers (0.8.0-0.9.1): ``FSDPEngine.forward_backward_batch``.
+
+``ppo_loss`` divides every agg mode by global counts (:data:`.loss_modes.DENOMINATORS`:
+``"fixed"``): ``batch_num_tokens`` (the mini-batch's loss-mask tokens, all-reduced over DP at
+the top of ``forward_backward_batch``), the trainer's ``global_batch_size`` and ``dp_size``.
+A row's share of the loss therefore never depends on the other rows present, and dropping a
+zero-advantage row is exact as long as ``batch_num_tokens`` keeps its unfiltered value.
+
+The wrapper (training calls only) computes that value as verl does, asks the
+``grpo_filter_zero_advantage`` hook which rows to keep (the same count on every DP rank,
+padded with zero-advantage rows at weight 0 to a multiple of ``micro_batch_size_per_gpu`` for
+static batching), and calls verl with the kept rows and a loss function that re-assigns the
+unfiltered ``batch_num_tokens`` to each micro-batch before ``ppo_loss`` reads it. verl then
+makes fewer micro-batches itself (and syncs the dynamic count over DP): dropped rows cost no
+forward and no backward. The mini-batch, the optimizer step and ``global_batch_size`` are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from . import metrics as verl_metrics
+from .decide import filter_mode
+from .loss_modes import effective_agg_mode
+
+#: ppo_loss metrics the filter provably leaves unchanged (``actor/pg_loss``: a SUM of global-
+#: denominator terms whose dropped-row terms are exactly 0; ``kl_coef``: a constant).
+UNCHANGED = ("actor/pg_loss", "kl_coef")
+#: ppo_loss metrics summed over micro-batches with global denominators: the dropped rows' terms
+#: are missing and the kept rows' terms are not a mean of anything, so they are not logged.
+SUMS_OVER_ALL_ROWS = ("actor/entropy_loss", "kl_loss")
+
+
+def _bind(data: Any, loss_function: Callable | None = None, forward_only: bool = False) -> tuple:
+    return data, loss_function, forward_only
+
+
+def actor_config_of(loss_function: Any) -> Any | None:
+    """The actor config of verl's ``partial(ppo_loss, config=...)`` (``None`` for other losses)."""
+    if not isinstance(loss_function, functools.partial):
+        return None
+    func = loss_function.func
+    if getattr(func, "__name__", "") != "ppo_loss" or "config" not in loss_function.keywords:
+        return None  # value_loss, distillation losses, ...: never filtered
+    return loss_function.keywords["config"]
+
+
+def _padded(t: Any) -> Any:
+    return t.to_padded_tensor(0) if getattr(t, "is_nested", False) else t
+
+
+def _problems(config: Any, data: Any) -> tuple[str, ...]:
+    """Engine settings under which a row's denominator depends on its micro-batch."""
+    from verl.utils import tensordict_utils as tu
+
+    mode = effective_agg_mode(config)
+    problems = []
+    if mode != "token-mean" and tu.get_non_tensor_data(data=data, key="global_batch_size", default=None) is None:
+        problems.append(f"loss_agg_mode={mode!r} without a global_batch_size divides by each micro-batch's rows")
+    if (mode == "seq-mean-token-sum-norm" and getattr(config, "loss_scale_factor", None) is None
+            and getattr(data["response_mask"], "is_nested", False)):
+        problems.append("seq-mean-token-sum-norm with nested response masks and no actor.loss_scale_factor "
+                        "divides by each micro-batch's longest response; set actor.loss_scale_factor")
+    return tuple(problems)
+
+
+def _useful_rows(data: Any) -> tuple[Any, Any]:
+    adv, mask = _padded(data["advantages"]), _padded(data["response_mask"])
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(mask)
+    return adv, mask
+
+
+def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``FSDPEngine.forward_backward_batch(data, loss_function, forward_only)``."""
+    import torch
+
+    data, loss_function, forward_only = _bind(*args, **kwargs)
+    config = actor_config_of(loss_function)
+    if instance is None or forward_only or config is None or "advantages" not in data.keys():
+        return wrapped(*args, **kwargs)
+    from verl.utils import tensordict_utils as tu
+
+    problems = _problems(config, data)
+    mode = filter_mode(instance, config, extra_problems=problems + _nograd_problem())
+    if mode is None:
+        return wrapped(*args, **kwargs)
+
+    from grpo_patches.plugins import hook
+
+    group = instance.get_data_parallel_group()
+    total = data["loss_mask"].sum()  # the unfiltered global count, exactly as verl computes it
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+    batch_num_tokens = total.item()
+
+    adv, mask = _useful_rows(data)
+    rows = int(mask.shape[0])
+    plan = hook().grpo_filter_zero_advantage(advantages=adv, mask=mask, denominator="fixed", group=group)
+    if plan is None:
+        return wrapped(*args, **kwargs)
+    keep = _static_multiple(plan.keep.cpu(), mask, data)
+    padding = plan.padding_rows + int(keep.numel()) - plan.rows_kept
+    dropped = rows - int(keep.numel())
+    if dropped == 0:
+        output = wrapped(*args, **kwargs)
+    else:
+        filtered = tu.index_select_tensor_dict(data, keep)
+
+        def loss_with_unfiltered_tokens(*a: Any, **kw: Any) -> Any:
+            micro = kw["data"] if "data" in kw else a[1]
+            tu.assign_non_tensor(micro, batch_num_tokens=batch_num_tokens)
+            return loss_function(*a, **kw)
+
+        output = wrapped(filtered, loss_with_unfiltered_tokens, forward_only)
+    _kept_rows_metrics(output["metrics"])
+    active = (mask != 0)
+    dropped_rows = torch.ones(rows, dtype=torch.bool)
+    dropped_rows[keep] = False
+    counts = dict(rows_dropped=dropped, tokens_dropped=int(active.cpu()[dropped_rows].sum()), padding_rows=padding)
+    per_mini_batch = {name: [value] for name, value in counts.items()}
+    verl_metrics.report(None, **counts)
+    for name, value in per_mini_batch.items():
+        output["metrics"][verl_metrics.PREFIX + name] = value
+    return output
+
+
+def _kept_rows_metrics(metrics: dict) -> None:
+    """Per-micro-batch means (clip fractions, ppo_kl) say ``/kept_rows``; global-denominator
+    sums that the dropped rows would have added to (entropy, KL) cannot be given: removed."""
+    for name in SUMS_OVER_ALL_ROWS:
+        metrics.pop(name, None)
+    verl_metrics.rename_kept_rows(metrics, UNCHANGED)
+
+
+def _nograd_problem() -> tuple[str, ...]:
+    from grpo_patches import api
+
+    options = api.active_options("verl")
+    if options is not None and options.dropped_rows_metrics:
+        return ("dropped_rows_metrics=True (a no-grad forward of the dropped rows) is not implemented for verl's "
+                "engine workers (verl >= 0.8); pass dropped_rows_metrics=False: metrics then say /kept_rows",)
+    return ()
+
+
+def _static_multiple(keep: Any, mask: Any, data: Any) -> Any:
+    """Static batching asserts rows % micro_batch_size_per_gpu == 0: pad with more zero rows
+    (shortest first, weight 0: their loss is exactly 0), the same count on every rank."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return keep
+    size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
+    rows = int(mask.shape[0])
+    target = min(-(-int(keep.numel()) // size) * size, rows)
+    if target == keep.numel():
+        return keep
+    taken = torch.zeros(rows, dtype=torch.bool)
+    taken[keep] = True
+    free = torch.nonzero(~taken).flatten()
+    lengths = mask.to(torch.float64).sum(-1).cpu()[free]
+    extra = free[torch.sort(lengths, stable=True).indices][: target - int(keep.numel())]
+    return torch.sort(torch.cat([keep, extra])).values

@@ -1,0 +1,351 @@
+"""Zero-advantage filter for verl's legacy ``DataParallelPPOActor`` (0.6.1-0.7.1).
+
+Default (``"pack"``): zero-advantage rows leave the update entirely, and the kept rows are
+packed into fewer micro-batches, so the dropped rows cost no forward and no backward.
+
+* ``update_policy`` (wrapped): per mini-batch (rows ``[j*mini, (j+1)*mini)``, verl's own
+  ``data.split(ppo_mini_batch_size)``), the ``grpo_filter_zero_advantage`` hook picks the
+  rows to keep (the same count on every data-parallel rank). Each kept row's ORIGINAL loss
+  coefficient ``c = s_m / D_m`` is taken from verl's own micro-batch split of the unfiltered
+  mini-batch (``s_m``: verl's ``loss_scale_factor``; ``D_m``: the agg_loss denominator of
+  :data:`.loss_modes.DENOMINATORS`), and carried in ``rollout_is_weights``, the per-token
+  weight verl's policy losses multiply in before ``agg_loss``.
+* ``DataProto.split`` (wrapped, inert otherwise): the filtered batch's split into
+  mini-batches returns the planned variable-size mini-batches, so mini-batch membership, the
+  number of optimizer steps and verl 0.6-0.7's ``on_policy`` shortcut never change.
+* ``_forward_micro_batch`` (wrapped): receives the very dict verl then reads
+  ``rollout_is_weights`` from; it divides the carrier by the packed micro-batch's own
+  coefficient ``s'/D'``, so every row ends with exactly its original gradient whatever
+  micro-batches verl makes (static or dynamic).
+* ``prepare_dynamic_batch`` (dp_actor's binding): under data parallelism every rank is asked
+  for the same number of micro-batches (0.7.1 does not pass its dp group there).
+
+``dropped_rows_metrics=True`` (``"nograd"``): verl's micro-batches stay as they are; in each,
+the kept rows run with autograd and the dropped rows in a no-grad forward, so every metric
+is verl's own. Metrics of the default mode: see :func:`update_policy`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from grpo_patches import api
+
+from . import metrics as verl_metrics
+from .decide import filter_mode
+from .loss_modes import denominator, effective_agg_mode, line_of
+
+_PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_update", default=None)
+
+#: update_policy metrics the filter provably leaves unchanged (0.7: pg_loss is a float sum).
+UNCHANGED = ("actor/grad_norm", "actor/kl_coef", "actor/lr")
+
+
+@dataclass
+class Update:
+    """One filtered ``update_policy`` call: the actor, its mode, and the work counted."""
+
+    actor: Any
+    mode: str
+    denominator: str
+    rows_in: int = 0
+    rows_kept: int = 0
+    tokens_dropped: int = 0
+    padding_rows: int = 0
+    grad_rows: int = 0  # rows through a forward with autograd
+    micro_batches: int = 0
+
+
+@dataclass
+class SplitPlan:
+    """The planned mini-batch sizes of the filtered batch, consumed by its first split."""
+
+    meta: dict
+    total: int
+    split_size: int
+    sizes: list[int]
+    consumed: bool = False
+
+
+def _version():
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    return Version(metadata.version("verl"))
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _micro_denominator(mask: Any, kind: str) -> float:
+    """``D`` of one micro-batch: its tokens, its rows with >= 1 token, or 1 (fixed)."""
+    import torch
+
+    if kind == "tokens":
+        return float(mask.to(torch.float64).sum())
+    if kind == "rows":
+        return float((mask.sum(-1) > 0).sum())
+    return 1.0
+
+
+def _scale(config: Any, rows: int) -> float:
+    """verl's ``loss_scale_factor`` of a micro-batch (dp_actor update_policy)."""
+    if config.use_dynamic_bsz:
+        return rows / config.ppo_mini_batch_size
+    return 1.0 / (config.ppo_mini_batch_size // config.ppo_micro_batch_size_per_gpu)
+
+
+def _original_coefficients(actor: Any, mini: Any, kind: str) -> Any:
+    """``c_r = s_m / D_m`` of every row of one mini-batch, from verl's own micro-batch split."""
+    import torch
+
+    config = actor.config
+    rows = len(mini)
+    mask = mini.batch["response_mask"]
+    if config.use_dynamic_bsz:
+        from verl.utils.seqlen_balancing import prepare_dynamic_batch
+
+        max_token_len = config.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size
+        _, parts = prepare_dynamic_batch(mini, max_token_len=max_token_len)
+    else:
+        size = config.ppo_micro_batch_size_per_gpu
+        parts = [list(range(i, min(i + size, rows))) for i in range(0, rows, size)]
+    coefficients = torch.zeros(rows, dtype=torch.float64)
+    for part in parts:
+        index = torch.as_tensor(part, dtype=torch.long)
+        d = _micro_denominator(mask[index], kind)
+        coefficients[index] = _scale(config, len(part)) / d if d > 0 else 0.0
+    return coefficients
+
+
+def _plan(actor: Any, data: Any, update: Update) -> tuple[Any, list[int]]:
+    """The filtered batch (kept rows, carrier weights) and the size of each mini-batch."""
+    import torch
+
+    from grpo_patches.plugins import hook
+
+    config = actor.config
+    adv, mask = data.batch["advantages"], data.batch["response_mask"]
+    mini_size = config.ppo_mini_batch_size
+    kept, carriers, sizes = [], [], []
+    for start in range(0, len(data), mini_size):
+        mini = data[start : start + mini_size]
+        rows = len(mini)
+        # "fixed": the adapter gives each kept row its own original coefficient below
+        plan = hook().grpo_filter_zero_advantage(
+            advantages=adv[start : start + rows], mask=mask[start : start + rows], denominator="fixed", group=None
+        )
+        if plan is None:  # a plugin declined: keep every row at its own coefficient
+            keep, weights = torch.arange(rows), torch.ones(rows, dtype=torch.float64)
+            dropped = tokens = padding = 0
+        else:
+            keep, weights = plan.keep.cpu(), plan.weights.cpu().to(torch.float64)
+            dropped, tokens, padding = plan.rows_dropped, plan.tokens_dropped, plan.padding_rows
+        coefficients = _original_coefficients(actor, mini, update.denominator)
+        kept.append(keep + start)
+        carriers.append(coefficients[keep] * weights)
+        sizes.append(int(keep.numel()))
+        update.rows_in += rows
+        update.rows_kept += rows - dropped - padding
+        update.tokens_dropped += tokens
+        update.padding_rows += padding
+    filtered = data.select_idxs(torch.cat(kept))  # shares meta_info with ``data``
+    carrier = torch.cat(carriers)[:, None].expand(-1, mask.shape[-1])
+    if "rollout_is_weights" in filtered.batch.keys():
+        carrier = carrier * filtered.batch["rollout_is_weights"].to(torch.float64)
+    filtered.batch["rollout_is_weights"] = carrier.contiguous()  # float64: divided per micro-batch
+    return filtered, sizes
+
+
+def _bind_data(args: tuple, kwargs: dict) -> tuple[Any, Callable[[Any], tuple[tuple, dict]]]:
+    if args:
+        return args[0], lambda new: ((new, *args[1:]), kwargs)
+    return kwargs["data"], lambda new: (args, {**kwargs, "data": new})
+
+
+def _renamed_metrics(actor: Any, out: dict, update: Update, original_micro_batches: int) -> None:
+    """Metrics of a packed update: what is provably verl's keeps its name, the rest says kept_rows."""
+    unchanged = list(UNCHANGED)
+    pg_loss = out.get("actor/pg_loss")
+    if isinstance(pg_loss, list):  # 0.6: one value per micro-batch, reduced by mean -> the same mean
+        out["actor/pg_loss"] = [sum(pg_loss) / max(original_micro_batches, 1)]
+    unchanged.append("actor/pg_loss")  # 0.7: a float sum over micro-batches, the same sum
+    if not actor.config.use_kl_loss:
+        unchanged.append("actor/kl_loss")  # 0.0 either way
+    verl_metrics.rename_kept_rows(out, unchanged)
+
+
+def _original_micro_batches(actor: Any, data: Any) -> int:
+    """How many micro-batches unpatched verl runs for ``data`` (every epoch)."""
+    config = actor.config
+    count = 0
+    for start in range(0, len(data), config.ppo_mini_batch_size):
+        mini = data[start : start + config.ppo_mini_batch_size]
+        if config.use_dynamic_bsz:
+            from verl.utils.seqlen_balancing import prepare_dynamic_batch
+
+            max_token_len = config.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size
+            count += len(prepare_dynamic_batch(mini, max_token_len=max_token_len)[1])
+        else:
+            count += -(-len(mini) // config.ppo_micro_batch_size_per_gpu)
+    return count * config.ppo_epochs
+
+
+def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``DataParallelPPOActor.update_policy(data)``."""
+    if instance is None or instance.actor_optimizer is None or _ACTIVE.get() is not None:
+        return wrapped(*args, **kwargs)
+    mode = filter_mode(instance, instance.config)
+    if mode is None:
+        return wrapped(*args, **kwargs)
+    kind = denominator(line_of(_version()), effective_agg_mode(instance.config))
+    update = Update(instance, mode, kind)
+    data, rebind = _bind_data(args, kwargs)
+    if "multi_modal_inputs" in data.non_tensor_batch.keys():
+        return wrapped(*args, **kwargs)  # per-row object arrays: not tested, never filtered
+    token = _ACTIVE.set(update)
+    try:
+        if mode == "nograd":
+            out = wrapped(*args, **kwargs)
+        else:
+            out = _packed_update(wrapped, instance, data, rebind, update)
+    finally:
+        _ACTIVE.reset(token)
+    per_epoch = 1 if mode == "pack" else instance.config.ppo_epochs  # "nograd" counts every epoch's micro-batches
+    verl_metrics.report(
+        out,
+        rows_dropped=(update.rows_in - update.rows_kept - update.padding_rows) // per_epoch,
+        tokens_dropped=update.tokens_dropped // per_epoch,
+        padding_rows=update.padding_rows // per_epoch,
+    )
+    return out
+
+
+def _packed_update(wrapped, instance, data, rebind, update: Update) -> Any:
+    filtered, sizes = _plan(instance, data, update)
+    plan = SplitPlan(meta=filtered.meta_info, total=len(filtered), split_size=instance.config.ppo_mini_batch_size,
+                     sizes=sizes, consumed=len(sizes) == 1)  # one mini-batch: verl's own split gives it
+    original = _original_micro_batches(instance, data)
+    token = _PLAN.set(plan)
+    try:
+        new_args, new_kwargs = rebind(filtered)
+        out = wrapped(*new_args, **new_kwargs)
+    finally:
+        _PLAN.reset(token)
+    if not plan.consumed:
+        raise RuntimeError(
+            "grpo_patches: verl's update_policy did not split the batch into mini-batches as expected "
+            "(verl internals moved?); pass zero_advantage_filter=False to grpo_patches.enable(...)"
+        )
+    _renamed_metrics(instance, out, update, original)
+    return out
+
+
+def split(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``DataProto.split(split_size)``: the planned mini-batches, once."""
+    plan = _PLAN.get()
+    if plan is None or plan.consumed or instance is None:
+        return wrapped(*args, **kwargs)
+    size = args[0] if args else kwargs.get("split_size")
+    if instance.meta_info is not plan.meta or len(instance) != plan.total or size != plan.split_size:
+        return wrapped(*args, **kwargs)
+    plan.consumed = True
+    parts, start = [], 0
+    for n in plan.sizes:
+        parts.append(instance[start : start + n])
+        start += n
+    return parts
+
+
+def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``DataParallelPPOActor._forward_micro_batch(micro_batch, temperature, ...)``."""
+    import torch
+
+    update = _ACTIVE.get()
+    if update is None or update.actor is not instance or not torch.is_grad_enabled():
+        return wrapped(*args, **kwargs)
+    micro = args[0] if args else kwargs["micro_batch"]
+    if update.mode == "pack":
+        mask = micro["response_mask"]
+        d = _micro_denominator(mask, update.denominator)
+        new = _scale(instance.config, int(mask.shape[0])) / d if d > 0 else 1.0
+        micro["rollout_is_weights"] = (micro["rollout_is_weights"] / new).to(torch.float32)
+        update.grad_rows += int(mask.shape[0])
+        update.micro_batches += 1
+        return wrapped(*args, **kwargs)
+    return _split_forward(wrapped, update, micro, args, kwargs)
+
+
+def _split_forward(wrapped, update: Update, micro: dict, args: tuple, kwargs: dict) -> Any:
+    """``dropped_rows_metrics=True``: kept rows with autograd, dropped rows in a no-grad forward."""
+    import torch
+
+    from grpo_patches.plugins import hook
+
+    mask, rows = micro["response_mask"], int(micro["response_mask"].shape[0])
+    plan = hook().grpo_filter_zero_advantage(advantages=micro["advantages"], mask=mask, denominator="fixed", group=None)
+    keep = plan.keep.cpu() if plan is not None else torch.arange(rows)
+    dropped_mask = torch.ones(rows, dtype=torch.bool)
+    dropped_mask[keep] = False
+    drop = torch.nonzero(dropped_mask).flatten()
+    update.rows_in += rows
+    update.rows_kept += int(keep.numel()) - (plan.padding_rows if plan is not None else 0)
+    update.tokens_dropped += plan.tokens_dropped if plan is not None else 0
+    update.padding_rows += plan.padding_rows if plan is not None else 0
+    update.grad_rows += int(keep.numel())
+    update.micro_batches += 1
+    if drop.numel() == 0 and _world() == 1:
+        return wrapped(*args, **kwargs)
+    extra = drop if drop.numel() else keep[:1]  # DP: the same two forwards on every rank (FSDP gathers)
+
+    def rows_of(index: Any) -> dict:
+        return {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else v)
+                for k, v in micro.items()}
+
+    rest = args[1:] if args else ()
+    named = {k: v for k, v in kwargs.items() if k != "micro_batch"}
+    kept_out = wrapped(rows_of(keep), *rest, **named)
+    with torch.no_grad():
+        dropped_out = wrapped(rows_of(extra), *rest, **named)
+
+    def merge(kept_value: Any, dropped_value: Any) -> Any:
+        if kept_value is None:
+            return None
+        full = kept_value.new_zeros((rows, *kept_value.shape[1:]))
+        if drop.numel():
+            full = full.index_put((drop,), dropped_value.to(kept_value.dtype))
+        return full.index_put((keep,), kept_value)
+
+    if isinstance(kept_out, dict):  # 0.7: {"log_probs", "entropys", ...}
+        return {k: merge(v, dropped_out.get(k)) for k, v in kept_out.items()}
+    return tuple(merge(k, d) for k, d in zip(kept_out, dropped_out))  # 0.6: (entropy, log_probs)
+
+
+def prepare_dynamic_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """dp_actor's binding of ``prepare_dynamic_batch``: inside a packed update under data
+    parallelism, every rank gets the same number of micro-batches (FSDP collectives run per
+    forward). Packed mini-batches have the same row count on every rank, so the count fits."""
+    update = _ACTIVE.get()
+    if update is not None and update.mode == "pack" and _world() > 1 and "dp_group" not in kwargs:
+        import torch.distributed as dist
+
+        kwargs = dict(kwargs, dp_group=dist.group.WORLD, same_micro_num_in_dp=True)
+    return wrapped(*args, **kwargs)
+
+
+def active_mode() -> str | None:
+    """The filter mode of the update running in this context (``None`` outside one)."""
+    update = _ACTIVE.get()
+    return None if update is None else update.mode
+
+
+def options_on() -> bool:
+    options = api.active_options("verl")
+    return options is not None and options.zero_advantage_filter is not False

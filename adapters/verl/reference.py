@@ -1,0 +1,128 @@
+"""The reference pass and model at KL coefficient 0 (option ``logprob_skip``).
+
+verl builds a reference model and runs its log-prob pass whenever ``actor.use_kl_loss`` or
+``algorithm.use_kl_in_reward`` is set, whatever the coefficient
+(``verl/trainer/ppo/utils.py::need_reference_policy``; imported by name into ``main_ppo``,
+``ray_trainer`` and, in 0.9, ``main_ppo_v0`` and ``v1/trainer_base``, so every binding is
+wrapped). When the ``grpo_skip_reference_pass`` hook says no coefficient can be non-zero, it
+answers False: verl then creates no reference worker (no second model in memory) and skips
+the pass by its own ``if self.use_reference_policy``. The consumers that still ask for
+``ref_log_prob`` get a finite placeholder whose every use is multiplied by the coefficient 0
+(bitwise-identical gradients), and the metrics computed from it are not logged:
+
+* legacy actor (``update_policy``) and engine (``forward_backward_batch``): ``actor/kl_loss``,
+  ``actor/kl_coef`` / ``kl_loss``, ``kl_coef``;
+* ``apply_kl_penalty`` (in-reward KL, fixed controller at 0): ``actor/reward_kl_penalty``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+
+from . import metrics as verl_metrics
+
+#: Legacy ``update_policy`` / engine ``ppo_loss`` metrics computed from the placeholder.
+KL_METRICS = ("actor/kl_loss", "actor/kl_coef", "kl_loss", "kl_coef")
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        getter = getattr(node, "get", None)
+        node = getter(part, None) if getter is not None else getattr(node, part, None)
+    return default if node is None else node
+
+
+def kl_coefficients(config: Any) -> dict[str, float] | None:
+    """Every coefficient that consumes reference log-probs, or ``None`` when one can change
+    during training (an adaptive in-reward KL controller)."""
+    coefficients: dict[str, float] = {}
+    if _get(config, "actor_rollout_ref.actor.use_kl_loss", False):
+        coefficients["actor_rollout_ref.actor.kl_loss_coef"] = float(_get(config, "actor_rollout_ref.actor.kl_loss_coef", 0.0))
+    if _get(config, "algorithm.use_kl_in_reward", False):
+        if _get(config, "algorithm.kl_ctrl.type", "fixed") != "fixed":
+            return None
+        coefficients["algorithm.kl_ctrl.kl_coef"] = float(_get(config, "algorithm.kl_ctrl.kl_coef", 0.0))
+    return coefficients
+
+
+def skip_reference(config: Any) -> bool:
+    """The ``grpo_skip_reference_pass`` hook's answer for a trainer config (noted in status)."""
+    options = api.active_options("verl")
+    if options is None or not options.logprob_skip:
+        return False
+    coefficients = kl_coefficients(config)
+    if coefficients is None:
+        api.note("verl", "reference_pass", "runs: algorithm.kl_ctrl.type is adaptive (the coefficient changes)")
+        return False
+    if not coefficients:
+        return False  # verl needs no reference model anyway
+    from grpo_patches.plugins import hook
+
+    decision = hook().grpo_skip_reference_pass(framework="verl", kl_coefficients=coefficients, kl_metrics_requested=False)
+    if decision is None:
+        return False
+    api.note("verl", "reference_pass", f"{'skipped, no reference model' if decision.skip else 'runs'}: {decision.reason}")
+    return decision.skip
+
+
+def need_reference_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``need_reference_policy(config)`` (0.7+; every module's binding)."""
+    needed = wrapped(*args, **kwargs)
+    config = args[0] if args else kwargs.get("config")
+    if needed and config is not None and skip_reference(config):
+        return False
+    return needed
+
+
+def _zero_coefficient(config: Any) -> bool:
+    return bool(getattr(config, "use_kl_loss", False)) and float(getattr(config, "kl_loss_coef", 0.0)) == 0.0
+
+
+def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy ``DataParallelPPOActor.update_policy(data)``: a placeholder
+    ``ref_log_prob`` when the reference pass was skipped (KL coefficient 0)."""
+    data = args[0] if args else kwargs.get("data")
+    if instance is None or data is None or not _zero_coefficient(instance.config) or "ref_log_prob" in data.batch.keys():
+        return wrapped(*args, **kwargs)
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"].clone()  # finite; multiplied by kl_loss_coef == 0
+    out = wrapped(*args, **kwargs)
+    for name in KL_METRICS:
+        out.pop(name, None)
+    verl_metrics.report(out, reference_passes_skipped=1)
+    return out
+
+
+def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the engine's ``FSDPEngine.forward_backward_batch``: the same placeholder."""
+    from .engine_filter import _bind, actor_config_of
+
+    data, loss_function, forward_only = _bind(*args, **kwargs)
+    config = actor_config_of(loss_function)
+    if forward_only or config is None or not _zero_coefficient(config) or "ref_log_prob" in data.keys():
+        return wrapped(*args, **kwargs)
+    data["ref_log_prob"] = data["old_log_probs"].clone()
+    output = wrapped(*args, **kwargs)
+    for name in KL_METRICS:
+        output["metrics"].pop(name, None)
+    verl_metrics.report(None, reference_passes_skipped=1)
+    return output
+
+
+def apply_kl_penalty(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``apply_kl_penalty(data, kl_ctrl, ...)``: in-reward KL at a fixed 0."""
+    data = args[0] if args else kwargs["data"]
+    kl_ctrl = args[1] if len(args) > 1 else kwargs["kl_ctrl"]
+    if "ref_log_prob" in data.batch.keys() or float(kl_ctrl.value) != 0.0:
+        return wrapped(*args, **kwargs)
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"]  # KL exactly 0; times beta == 0 anyway
+    try:
+        data, kl_metrics = wrapped(*args, **kwargs)
+    finally:
+        data.batch.pop("ref_log_prob")
+    kl_metrics.pop("actor/reward_kl_penalty", None)  # computed from the placeholder
+    return data, kl_metrics

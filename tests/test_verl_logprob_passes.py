@@ -1,0 +1,236 @@
+"""Log-prob passes in real verl (option ``logprob_skip``): patches off vs on.
+
+* reference pass at KL coefficient 0: ``need_reference_policy`` says no (no reference model);
+  the actor runs without ``ref_log_prob`` and its gradient equals verl's with the real
+  reference log-probs; metrics computed from the placeholder are not logged.
+* old-logprob pass (0.7.x legacy): skipped exactly when verl's actor ignores it (one
+  mini-batch, one epoch); the update's gradient equals verl's with the real old log-probs,
+  and ``actor/entropy`` equals what the trainer computes from the real pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import verl_harness as h
+
+if h.VERL is None:
+    pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
+
+import torch  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+import grpo_patches  # noqa: E402
+
+LINE = h.line()
+LEGACY = LINE.startswith("legacy")
+V = Version(h.VERL)
+SKIP = {"zero_advantage_filter": False, "logprob_skip": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    torch.set_num_threads(2)
+    if LEGACY:
+        h.init_pg()
+    else:
+        h.engine_setup()
+
+
+def trainer_config(use_kl_loss=True, kl_loss_coef=0.0, use_kl_in_reward=False, kl_ctrl="fixed", kl_coef=0.0,
+                   mini=16, epochs=1, n=1):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss, "kl_loss_coef": kl_loss_coef,
+                                        "ppo_mini_batch_size": mini, "ppo_epochs": epochs,
+                                        "loss_agg_mode": "token-mean", "loss_scale_factor": None},
+                              "rollout": {"n": n}},
+        "algorithm": {"use_kl_in_reward": use_kl_in_reward, "kl_ctrl": {"type": kl_ctrl, "kl_coef": kl_coef}},
+    })
+
+
+@pytest.mark.skipif(V < Version("0.7"), reason="0.6 decides the reference model from a role mapping")
+def test_no_reference_model_when_no_coefficient_can_be_non_zero():
+    from verl.trainer.ppo import ray_trainer, utils
+
+    cases = [
+        (trainer_config(), False),
+        (trainer_config(kl_loss_coef=0.1), True),
+        (trainer_config(use_kl_loss=False, use_kl_in_reward=True), False),
+        (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_coef=0.001), True),
+        (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),  # it can change
+        (trainer_config(use_kl_loss=False), False),
+    ]
+    for config, needed in cases:
+        assert utils.need_reference_policy(config) is (config.actor_rollout_ref.actor.use_kl_loss
+                                                       or config.algorithm.use_kl_in_reward)  # verl's own rule
+    h.patches(SKIP)
+    try:
+        for config, needed in cases:
+            for module in (utils, ray_trainer):  # every binding answers the same
+                assert bool(module.need_reference_policy(config)) is needed, (config, module)
+        notes = grpo_patches.status()["verl"]["notes"]
+        assert "reference_pass" in notes
+    finally:
+        h.patches(None)
+
+
+def _ref_batch():
+    return {"ref_log_prob": h.make_batch()["old_log_probs"] - 0.2}
+
+
+def _run(options, batch_extra=None, **config):
+    if LEGACY:
+        return h.legacy_run(options, batch_extra=batch_extra, **config)
+    return _worker().run(options, batch_extra=batch_extra, **config)
+
+
+_WORKERS: dict = {}
+
+
+def _worker():
+    if "w" not in _WORKERS:
+        import tempfile
+
+        _WORKERS["w"] = h.EngineWorker(h.model_dir(tempfile.mkdtemp()))
+    return _WORKERS["w"]
+
+
+def test_actor_runs_without_reference_log_probs_at_kl_coefficient_zero(record_property):
+    kw = dict(agg="token-mean", n_mini=2, use_kl_loss=True, kl_loss_coef=0.0)
+    ref = _run(None, batch_extra=_ref_batch(), **kw)  # verl with the real reference pass
+    with pytest.raises((KeyError, AssertionError, RuntimeError)):
+        _run(None, **kw)  # verl itself needs the key: the placeholder is what makes the skip work
+    got = _run(SKIP, **kw)
+    err = h.max_rel(got, ref)
+    record_property("exact_reference_skip_grad_rel", err)
+    assert err == 0.0  # 0 * finite: bitwise identical
+    kl_names = {"actor/kl_loss", "actor/kl_coef", "kl_loss", "kl_coef"}
+    assert kl_names & set(ref.metrics) and not kl_names & set(got.metrics)
+    assert got.status["savings"].get("reference_passes_skipped", 0) >= 1
+
+
+def test_a_real_kl_coefficient_is_never_touched():
+    kw = dict(agg="token-mean", n_mini=1, use_kl_loss=True, kl_loss_coef=0.1)
+    ref = _run(None, batch_extra=_ref_batch(), **kw)
+    got = _run(SKIP, batch_extra=_ref_batch(), **kw)
+    assert h.max_rel(got, ref) == 0.0 and set(got.metrics) >= {k for k in ref.metrics}
+
+
+@pytest.mark.skipif(V < Version("0.7"), reason="0.6's apply_kl_penalty lives elsewhere")
+def test_in_reward_kl_at_a_fixed_zero_coefficient():
+    from verl import DataProto
+    from verl.trainer.ppo import core_algos, ray_trainer
+
+    b = h.make_batch()
+    b["token_level_scores"] = torch.randn(b["response_mask"].shape)
+    ctrl = core_algos.FixedKLController(kl_coef=0.0)
+    data = DataProto.from_dict(tensors={**b, "ref_log_prob": b["old_log_probs"] - 0.3})
+    want, want_metrics = ray_trainer.apply_kl_penalty(data, ctrl, "kl")
+    h.patches(SKIP)
+    try:
+        got, got_metrics = ray_trainer.apply_kl_penalty(DataProto.from_dict(tensors=b), ctrl, "kl")
+    finally:
+        h.patches(None)
+    assert torch.equal(got.batch["token_level_rewards"], want.batch["token_level_rewards"])
+    assert "actor/reward_kl_penalty" in want_metrics and "actor/reward_kl_penalty" not in got_metrics
+    assert "ref_log_prob" not in got.batch.keys()
+
+
+# --- the old-logprob pass (0.7.x legacy worker) ---------------------------------------------
+
+OLD_SKIP = Version("0.7") <= V < Version("0.8")
+
+
+class _WorkerGroup:
+    """Stands in for the actor worker group: runs the real actor's compute_log_prob, counted."""
+
+    world_size = 1
+
+    def __init__(self, actor):
+        self.actor, self.calls = actor, 0
+
+    def compute_log_prob(self, data):
+        from verl import DataProto
+
+        self.calls += 1
+        data.meta_info.update(micro_batch_size=4, max_token_len=40, use_dynamic_bsz=False, temperature=1.0)
+        out = self.actor.compute_log_prob(data, calculate_entropy=True)
+        log_probs, entropys = (out["log_probs"], out["entropys"]) if isinstance(out, dict) else out
+        return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropys})
+
+
+def _trainer(actor, **config):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(RayPPOTrainer)  # no Ray: only the method under test runs
+    trainer.config = trainer_config(use_kl_loss=False, **config)
+    trainer.use_legacy_worker_impl = "auto"
+    trainer.actor_rollout_wg = _WorkerGroup(actor)
+    return trainer
+
+
+def _old_pass_then_update(options, *, mini=16, **config):
+    """The trainer's old-logprob pass (through the real method), then the actor's update."""
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    h.patches(options)
+    run = h.Run()
+    model = h.tiny_model(0)
+    h.count_forwards(model, run)
+    actor = h.legacy_actor(model, mini=mini)
+    step = actor._optimizer_step
+    actor._optimizer_step = lambda: (run.grads.append(h.grads_of(model.parameters())), step())[1]
+    trainer = _trainer(actor, mini=mini, **config)
+    batch = h.make_batch()
+    batch.pop("old_log_probs")
+    data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+    try:
+        old, _ = trainer._compute_old_log_prob(data)
+        entropy = agg_loss(loss_mat=old.batch["entropys"], loss_mask=data.batch["response_mask"],
+                           loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
+        old.batch.pop("entropys")
+        data = data.union(old)
+        run.metrics = {"trainer/actor/entropy": entropy, **actor.update_policy(data)}
+        run.status = h.verl_status()
+    finally:
+        h.patches(None)
+    run.forwards = trainer.actor_rollout_wg.calls
+    return run
+
+
+@pytest.mark.skipif(not OLD_SKIP, reason="0.7's legacy actor ignores old log-probs on-policy; 0.8+ always reads them")
+def test_on_policy_update_skips_the_old_logprob_pass(record_property):
+    ref = _old_pass_then_update(None)
+    got = _old_pass_then_update(SKIP)
+    err = h.max_rel(got, ref)
+    record_property("exact_old_logprob_skip_grad_rel", err)
+    assert err == 0.0 and ref.forwards == 1 and got.forwards == 0  # the pass ran once, then never
+    # the trainer's entropy came from a placeholder: the actor logs the real one, from the same weights
+    assert got.metrics["trainer/actor/entropy"] != got.metrics["trainer/actor/entropy"]  # NaN placeholder
+    assert got.metrics["actor/entropy"] == pytest.approx(ref.metrics["trainer/actor/entropy"], rel=1e-6)
+    assert got.status["savings"]["old_logprob_passes_skipped"] == 1
+
+
+@pytest.mark.skipif(not OLD_SKIP, reason="0.7.x legacy worker only")
+@pytest.mark.parametrize("config", [{"mini": 8}, {"epochs": 2}, {"use_kl_in_reward": True}])
+def test_the_pass_runs_when_something_reads_it(config):
+    mini = config.pop("mini", 16)
+    got = _old_pass_then_update(SKIP, mini=mini, **config) if "epochs" not in config else None
+    if got is None:  # 2 epochs: the trainer-side decision alone
+        from verl import DataProto
+
+        actor = h.legacy_actor(h.tiny_model(0), epochs=2)
+        trainer = _trainer(actor, epochs=2)
+        h.patches(SKIP)
+        try:
+            trainer._compute_old_log_prob(DataProto.from_dict(tensors=h.make_batch(), meta_info={"temperature": 1.0}))
+            notes = h.verl_status()["by_class"]
+        finally:
+            h.patches(None)
+        assert trainer.actor_rollout_wg.calls == 1
+        assert any("computed" in n for c in notes.values() for n in c.values())
+        return
+    assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]

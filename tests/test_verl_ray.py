@@ -1,0 +1,84 @@
+"""``GRPO_PATCHES=verl`` reaches the processes Ray starts for verl (a real local Ray cluster).
+
+verl's driver starts Ray (``ray.init(runtime_env={"env_vars": ...})``), a ``TaskRunner``
+actor builds the trainer, and the workers it creates import the actor modules. Each of those
+processes inherits the driver's environment and runs the installed ``grpo_patches_startup.pth``,
+so the adapter's records are applied there when verl's modules are imported. The check: a
+worker created by a TaskRunner-like actor imports verl's actor module and reports, through
+``grpo_patches.status()``, that it is patched, from its own process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests import verl_harness as h
+
+if h.VERL is None:
+    pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
+pytest.importorskip("ray")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import ray
+
+    MODULE = sys.argv[1]
+
+    def report():
+        import importlib
+        importlib.import_module(MODULE)  # what a verl worker imports when it builds its actor
+        import grpo_patches
+        verl = grpo_patches.status()["verl"]
+        return {"pid": os.getpid(), "process": verl["process"], "patched": verl["patched"],
+                "targets": verl.get("targets", []), "options": verl["options"]}
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def status(self):
+            return report()
+
+    @ray.remote(num_cpus=0)
+    class TaskRunner:  # like verl's: an actor that creates the worker actors
+        def run(self):
+            worker = Worker.remote()
+            return {"runner": report(), "worker": ray.get(worker.status.remote())}
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}, "working_dir": None})
+    try:
+        out = ray.get(TaskRunner.remote().run.remote())
+    finally:
+        ray.shutdown()
+    out["driver_pid"] = os.getpid()
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_a_ray_worker_started_by_a_task_runner_is_patched(tmp_path):
+    module = "verl.workers.actor.dp_actor" if h.line().startswith("legacy") else "verl.workers.engine.fsdp.transformer_impl"
+    script = tmp_path / "ray_probe.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "GRPO_PATCHES": "verl", "GRPO_PATCHES_OPTIONS": "zero_advantage_filter=1",
+           "RAY_DEDUP_LOGS": "0", "PYTHONPATH": ""}
+    proc = subprocess.run([sys.executable, str(script), module], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    import json
+
+    out = json.loads(lines[-1][len("RESULT "):])
+    pids = {out["driver_pid"], out["runner"]["pid"], out["worker"]["pid"]}
+    assert len(pids) == 3  # three processes: driver, task runner, worker
+    for role in ("runner", "worker"):
+        report = out[role]
+        assert report["patched"], report
+        assert f"pid {report['pid']} " in report["process"]  # the report is the worker's own
+        assert any(t.startswith(module + ":") for t in report["targets"]), report["targets"]
+        assert report["options"]["zero_advantage_filter"] is True  # GRPO_PATCHES_OPTIONS reached it too

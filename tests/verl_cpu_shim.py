@@ -1,0 +1,117 @@
+"""The smallest CPU platform for verl >= 0.9 (it ships cuda / npu / rocm platforms only). Tests only.
+
+verl 0.9 resolves every device call through ``verl.plugin.platform.get_platform()``, so one
+registered ``PlatformBase`` subclass plus ``set_platform`` is the whole shim; no verl function
+is patched. ``VERL_ENGINE_DEVICE=cuda`` makes ``EngineRegistry`` hand out the FSDP engine
+classes (registered for cuda / npu only). Use ``strategy="fsdp2"`` (FSDP1 insists on a CUDA
+``device_id``). Call :func:`install` before anything calls ``get_platform()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+
+import torch
+
+
+def _device_module() -> types.SimpleNamespace:
+    # the torch.<device> calls verl makes outside offload paths
+    noop = lambda *a, **k: None  # noqa: E731
+    zero = lambda *a, **k: 0  # noqa: E731
+    return types.SimpleNamespace(
+        is_available=lambda: True,
+        get_device_name=lambda *a, **k: "CPU",
+        device_count=lambda: 1,
+        current_device=lambda: "cpu",
+        set_device=noop,
+        synchronize=noop,
+        empty_cache=noop,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        max_memory_allocated=zero,
+        max_memory_reserved=zero,
+        memory_allocated=zero,
+        memory_reserved=zero,
+        reset_peak_memory_stats=noop,
+        mem_get_info=lambda *a, **k: (0, 0),
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+        Stream=None,
+        Event=None,
+    )
+
+
+def install() -> None:
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
+
+    module = _device_module()
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = module
+
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"  # used as a .to() target: micro_batch.to(get_device_id())
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            return None
+
+        def synchronize(self, device_index=None):
+            return None
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            return None
+
+        def empty_cache(self):
+            return None
+
+        def get_device_capability(self, device_index=0):
+            return (None, None)
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg):
+            yield
+
+        def profiler_start(self):
+            return None
+
+        def profiler_stop(self):
+            return None
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
+
+    set_platform(PlatformCPU())
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # pick the FSDP engine classes

@@ -1,0 +1,319 @@
+"""Shared harness of the verl tests: a tiny Qwen2 (fp32, eager), verl-shaped rollout batches,
+gloo process groups, and runners for verl's own update on both code lines, patches off or on.
+
+* legacy (0.6.1-0.7.1): ``DataParallelPPOActor.update_policy`` on a plain or FSDP2-sharded model;
+* engine (0.8.0-0.9.1): ``TrainingWorker.train_mini_batch`` (FSDP2 engine, ``ppo_loss``) with
+  the CPU platform of :mod:`verl_cpu_shim`, fed the tensordict the v0 trainer builds.
+
+Each run records the gradient before every optimizer step, the metrics verl returns, and the
+rows that went through the model with and without autograd (a forward pre-hook).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+
+try:
+    VERL = metadata.version("verl")
+except metadata.PackageNotFoundError:  # the main suite: every verl test skips
+    VERL = None
+
+PROMPT, RESPONSE, VOCAB, ROWS = 6, 8, 256, 16
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: Rows with advantage exactly 0: a block (whole micro-batches are zero) or spread over all of them.
+ZERO_ROWS = {"grouped": tuple(range(4, 12)), "interleaved": (1, 2, 4, 5, 9, 10, 11, 14)}
+
+
+def line() -> str | None:
+    if VERL is None:
+        return None
+    from grpo_patches.adapters.verl.loss_modes import line_of
+    from packaging.version import Version
+
+    return line_of(Version(VERL))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_pg(rank: int = 0, world: int = 1, port: int | None = None) -> None:
+    """A gloo process group (world size 1 unless spawned ranks share ``port``)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def tiny_model(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = VOCAB) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).float()
+
+
+def make_batch(rows: int = ROWS, zero_rows=ZERO_ROWS["interleaved"], seed: int = 1, world: int = 1,
+               prompt: int = PROMPT, response: int = RESPONSE, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """A rollout batch as verl's trainer hands it to the actor, ``rows * world`` rows: left-padded
+    prompts, right-padded responses, per-token advantages (``zero_rows`` of each rank exactly 0)
+    and off-policy old log-probs (so that ratios clip)."""
+    g = torch.Generator().manual_seed(seed)
+    n = rows * world
+    prompt_len = torch.randint(2, prompt + 1, (n,), generator=g)
+    resp_len = torch.randint(1, response + 1, (n,), generator=g)
+    ids = torch.zeros(n, prompt + response, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i in range(n):
+        p, r = int(prompt_len[i]), int(resp_len[i])
+        ids[i, prompt - p : prompt + r] = torch.randint(3, vocab, (p + r,), generator=g)
+        attn[i, prompt - p : prompt + r] = 1
+    adv = torch.randn(n, generator=g)
+    for rank in range(world):
+        for z in zero_rows:
+            adv[rank * rows + z] = 0.0
+    mask = attn[:, prompt:].clone()
+    batch = {"prompts": ids[:, :prompt].clone(), "input_ids": ids, "attention_mask": attn,
+             "position_ids": torch.clamp(attn.cumsum(1) - 1, min=0), "responses": ids[:, prompt:].clone(),
+             "response_mask": mask, "advantages": adv[:, None] * mask.float()}
+    with torch.no_grad():
+        logits = tiny_model(0, vocab=vocab)(input_ids=ids, attention_mask=attn, position_ids=batch["position_ids"]).logits
+        logps = torch.log_softmax(logits[:, -response - 1 : -1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
+    batch["old_log_probs"] = logps + 0.3 * torch.randn(logps.shape, generator=g)
+    return batch
+
+
+def rank_rows(batch: dict, rank: int, rows: int = ROWS) -> dict:
+    return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
+
+
+def grads_of(params) -> torch.Tensor:
+    return torch.cat([full(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
+                      for p in params])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def max_rel(run: "Run", ref: "Run") -> float:
+    assert len(run.grads) == len(ref.grads), f"{len(run.grads)} optimizer steps vs {len(ref.grads)}"
+    return max(rel(a, b) for a, b in zip(run.grads, ref.grads))
+
+
+@dataclass
+class Run:
+    """What one update did: gradients before each optimizer step, metrics, rows through the model."""
+
+    grads: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    forwards: int = 0
+    grad_rows: int = 0
+    nograd_rows: int = 0
+    status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] right after the update
+
+
+def count_forwards(model: torch.nn.Module, run: Run) -> None:
+    def pre_hook(module, args, kwargs):
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
+        rows = int(ids.shape[0]) if not ids.is_nested else int(ids.size(0))
+        run.forwards += 1
+        if torch.is_grad_enabled():
+            run.grad_rows += rows
+        else:
+            run.nograd_rows += rows
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def verl_status() -> dict:
+    import grpo_patches
+
+    return grpo_patches.status()["verl"]
+
+
+def patches(options: dict | None) -> None:
+    """Enable the verl adapter with ``options`` (``None``: disabled, verl's own code)."""
+    import grpo_patches
+    from grpo_patches import savings
+
+    grpo_patches.disable("verl")
+    if options is not None:
+        savings.reset("verl")  # each run's status() shows its own savings
+        grpo_patches.enable("verl", **options)
+
+
+# --- legacy line: DataParallelPPOActor ----------------------------------------------------
+
+
+def legacy_actor(model, *, agg="token-mean", dynamic=False, mini=ROWS, mbs=3, epochs=1, loss_mode="vanilla",
+                 max_tokens=40, **extra):
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    config = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=mbs,
+                             use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=max_tokens, ppo_epochs=epochs,
+                             loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+                             use_torch_compile=False, fsdp_config=FSDPEngineConfig(dtype="float32"), **extra)
+    return DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=0.05))
+
+
+def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, world=1, shard=False,
+               batch_extra: dict | None = None, model_seed: int = 0, **config) -> Run:
+    """One ``update_policy`` on a fresh tiny model, patched with ``options`` (``None``: off)."""
+    from verl import DataProto
+
+    patches(options)
+    run = Run()
+    model = tiny_model(model_seed)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    count_forwards(model, run)
+    actor = legacy_actor(model, mini=ROWS // n_mini, **config)
+    step = actor._optimizer_step
+
+    def recording_step():
+        run.grads.append(grads_of(actor.actor_module.parameters()))
+        return step()
+
+    actor._optimizer_step = recording_step
+    batch = rank_rows(make_batch(zero_rows=ZERO_ROWS[zero], world=world), rank)
+    batch.update({k: v[: len(batch["advantages"])] for k, v in (batch_extra or {}).items()})
+    data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+    try:
+        run.metrics = actor.update_policy(data)
+        run.status = verl_status()
+    finally:
+        patches(None)
+    return run
+
+
+# --- engine line: TrainingWorker / FSDPEngine / ppo_loss ---------------------------------
+
+_MODEL_DIR: dict[str, str] = {}
+
+
+def model_dir(tmp_root: str) -> str:
+    path = os.path.join(tmp_root, "tiny_qwen2")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tiny_model(0).save_pretrained(path)
+    return path
+
+
+def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
+    from tests import verl_cpu_shim
+
+    verl_cpu_shim.install()  # before anything asks verl for its platform
+    init_pg(rank, world, port)
+
+
+class EngineWorker:
+    """One FSDP2 ``TrainingWorker`` reused across runs (its weights reset before each)."""
+
+    def __init__(self, path: str, *, dynamic: bool = False, mbs: int = 2, max_tokens: int = 40):
+        from verl.trainer.config import CheckpointConfig
+        from verl.workers.config import (FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig,
+                                         TrainingWorkerConfig)
+        from verl.workers.engine_workers import TrainingWorker
+
+        model = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False,
+                              enable_gradient_checkpointing=False, override_config={"attn_implementation": "eager"})
+        engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
+                                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+                                  use_dynamic_bsz=dynamic, micro_batch_size_per_gpu=mbs, max_token_len_per_gpu=max_tokens)
+        optim = FSDPOptimizerConfig(lr=0.05, optimizer="SGD", weight_decay=0.0, clip_grad=1.0)
+        self.worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model,
+                                                          engine_config=engine, optimizer_config=optim,
+                                                          checkpoint_config=CheckpointConfig()))
+        self.worker.reset()
+        self.engine = self.worker.engine
+        self.initial = {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+        self.mbs = mbs
+        self.current: Run | None = None
+        count = Run()
+        self._counter = count
+        self.engine.module.register_forward_pre_hook(self._count, with_kwargs=True)
+        step = self.engine.optimizer_step
+
+        def recording_step():
+            if self.current is not None:
+                self.current.grads.append(grads_of(self.engine.module.parameters()))
+            return step()
+
+        self.engine.optimizer_step = recording_step
+
+    def _count(self, module, args, kwargs):
+        if self.current is None:
+            return
+        ids = kwargs["input_ids"]
+        rows = int(ids.size(0))
+        self.current.forwards += 1
+        if torch.is_grad_enabled():
+            self.current.grad_rows += rows
+        else:
+            self.current.nograd_rows += rows
+
+    def run(self, options: dict | None, *, agg="token-mean", n_mini=1, epochs=1, zero="interleaved", rank=0,
+            world=1, loss_mode="vanilla", batch_extra: dict | None = None, **actor_extra) -> Run:
+        from functools import partial
+
+        from verl.workers.config import FSDPActorConfig
+        from verl.workers.config.actor import PolicyLossConfig
+        from verl.workers.utils.losses import ppo_loss
+
+        self.engine.module.load_state_dict(self.initial)
+        actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS, loss_agg_mode=agg,
+                                policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False,
+                                ppo_micro_batch_size_per_gpu=self.mbs, **actor_extra)
+        self.worker.set_loss_fn(partial(ppo_loss, config=actor))  # what ActorRolloutRefWorker.init_model does
+        td = engine_batch(rank, world, mini_rows=ROWS // n_mini, epochs=epochs, zero=zero, extra=batch_extra)
+        patches(options)
+        self.current = run = Run()
+        try:
+            out = self.worker.train_mini_batch(td)
+            run.status = verl_status()
+        finally:
+            self.current = None
+            patches(None)
+        from verl.utils import tensordict_utils as tu
+
+        run.metrics = tu.get(out, "metrics") if out is not None else {}
+        return run
+
+
+def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved", extra: dict | None = None):
+    """The v0 trainer's ``update_actor`` input (``RayPPOTrainer._update_actor``), this rank's rows."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    batch = rank_rows(make_batch(zero_rows=ZERO_ROWS[zero], world=world), rank)
+    batch.update({k: v[: len(batch["advantages"])] for k, v in (extra or {}).items()})
+    td = left_right_2_no_padding(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}).to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=mini_rows * world,
+                         mini_batch_size=mini_rows * world, epochs=epochs, seed=1,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    return td
