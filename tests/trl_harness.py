@@ -99,6 +99,9 @@ def _count_forwards(counter: ForwardRows) -> Callable[[], None]:
     original = GRPOTrainer.__dict__[name]
 
     def count(wrapped, instance, args, kwargs):
+        model = kwargs["model"] if "model" in kwargs else args[0]
+        if getattr(model, "runs_no_forward", False):  # grpo_patches' input recorder: no forward
+            return wrapped(*args, **kwargs)
         rows = int((kwargs["input_ids"] if "input_ids" in kwargs else args[1]).size(0))
         if torch.is_grad_enabled():
             counter.with_grad += rows
@@ -126,6 +129,7 @@ def train(
     trainer_hook: Callable[[Any], None] | None = None,
     trainer_class: type | None = None,
     count_forwards: bool = False,
+    model_path: str | None = None,
     **grpo_config_overrides: Any,
 ) -> RunResult:
     """Train ``steps`` optimizer steps (``max_steps``) and return the final state.
@@ -143,6 +147,7 @@ def train(
     :param trainer_hook: called with the built trainer before training (e.g. to spy on it).
     :param trainer_class: a ``GRPOTrainer`` subclass to build instead (e.g. a custom sampler).
     :param count_forwards: count the rows through TRL's log-prob method (``result.forwards``).
+    :param model_path: a saved model (with the tiny word tokenizer) instead of the tiny Qwen2.
     :param grpo_config_overrides: ``GRPOConfig`` fields overriding :data:`DEFAULT_CONFIG`.
     """
     import torch
@@ -165,12 +170,13 @@ def train(
         if patched:
             grpo_patches.enable("trl", **(options or {}))
         args = GRPOConfig(**config)
+        path = model_path or tiny_model.tiny_model_path()
         trainer = (trainer_class or GRPOTrainer)(
-            model=tiny_model.tiny_model_path(),
+            model=path,
             reward_funcs=reward_funcs if reward_funcs is not None else tiny_model.reward_char_sum,
             args=args,
             train_dataset=dataset if dataset is not None else tiny_model.prompt_dataset(num_prompts),
-            processing_class=tiny_model.load_tokenizer(tiny_model.tiny_model_path()),
+            processing_class=tiny_model.load_tokenizer(path),
             callbacks=list(callbacks) or None,
         )
         if trainer_hook is not None:

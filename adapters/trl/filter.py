@@ -33,7 +33,7 @@ from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 
 from . import kept_rows, metrics, state
-from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
+from .loss_rows import is_multimodal, loss_call, loss_mask, multimodal_rows_supported
 from .loss_types import objective_of
 
 
@@ -85,8 +85,10 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
     if instance is None or not instance.model.training or not decide(instance):
         return wrapped(*args, **kwargs)
-    if any(inputs.get(key) is not None for key in MULTIMODAL_KEYS):
-        return wrapped(*args, **kwargs)  # per-image tensors are not row-indexed: keep every row
+    if is_multimodal(inputs) and not multimodal_rows_supported():
+        api.note("trl", "zero_advantage_filter (multimodal)", "multimodal micro-batches keep every row: "
+                 "cutting their per-image inputs by row needs TRL >= 1.15", owner=instance)
+        return wrapped(*args, **kwargs)
 
     from grpo_patches.plugins import hook
 

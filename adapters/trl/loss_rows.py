@@ -30,7 +30,8 @@ from . import state
 
 #: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
 ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-#: Multimodal inputs are indexed per image / tile, not per row: rows are never split then.
+#: Multimodal arguments, indexed per image / tile (not per row): a row subset takes its rows'
+#: model inputs as TRL cuts them (:mod:`.stand_ins`).
 MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -42,8 +43,9 @@ MULTIMODAL_KEYS = (
     "image_position_ids",
 )
 
-#: ``tiled(trainer, bound_args, rows) -> (loss, logps, entropies)`` for a LongTensor of rows.
-TiledRows = Callable[[Any, Mapping[str, Any], Any], tuple]
+#: ``tiled(trainer, method, arguments, rows) -> (loss, logps, entropies, aux_loss)``: the tiled loss
+#: of ``rows`` (a LongTensor), ``arguments`` being TRL's log-prob ``method``'s for those rows.
+TiledRows = Callable[[Any, Callable[..., Any], Mapping[str, Any], Any], tuple]
 
 
 @dataclass
@@ -63,6 +65,7 @@ class LossCall:
     :ivar used: set by the routing wrapper once it answered the forward.
     :ivar entropies: set by the routing wrapper: the ``[B, T]`` entropies TRL received.
     :ivar forward_rows: set by the routing wrapper: rows that went through a forward.
+    :ivar row_inputs: each row's multimodal model inputs (recorded once per call).
     """
 
     keep: Any = None
@@ -74,6 +77,7 @@ class LossCall:
     used: bool = False
     entropies: Any = None
     forward_rows: int = 0
+    row_inputs: Any = None
 
 
 def loss_mask(inputs: Any) -> Any:
@@ -112,12 +116,38 @@ def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, A
     return dict(bound.arguments)
 
 
-def rows_of(bound: Mapping[str, Any], rows: Any) -> dict[str, Any]:
-    """The arguments of ``_get_per_token_logps_and_entropies`` for a subset of rows."""
+def is_multimodal(arguments: Mapping[str, Any]) -> bool:
+    return any(arguments.get(name) is not None for name in MULTIMODAL_KEYS)
+
+
+def multimodal_rows_supported() -> bool:
+    """Row subsets of multimodal micro-batches need TRL's fused log-prob path (TRL >= 1.15),
+    whose model call a :class:`~.stand_ins.RowRecorder` can answer."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("trl")) >= Version("1.15")
+
+
+def rows_of(bound: Mapping[str, Any], rows: Any, method: Callable[..., Any] | None = None,
+            row_inputs: list | None = None) -> dict[str, Any]:
+    """The arguments of ``_get_per_token_logps_and_entropies`` for a subset of rows.
+
+    Multimodal arguments are not cut here: each row's model inputs are recorded once through
+    TRL's own ``method`` (or given as ``row_inputs``) and handed to the model with its rows.
+    """
     out = dict(bound)
     for name in ROW_ARGS:
         if out.get(name) is not None:
             out[name] = out[name].index_select(0, rows)
+    if is_multimodal(bound):
+        from .stand_ins import WithRowInputs, per_row_inputs
+
+        if row_inputs is None:
+            row_inputs = per_row_inputs(method, bound)
+        out.update(dict.fromkeys(MULTIMODAL_KEYS))
+        out["model"] = WithRowInputs(bound["model"], [row_inputs[i] for i in rows.tolist()])
     return out
 
 
@@ -143,6 +173,8 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
     def per_token_logps_and_entropies(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         import torch
 
+        from .stand_ins import per_row_inputs
+
         call = active_call(instance) if instance is not None else None
         if call is None and instance is not None and state.of(instance).deferred is not None:
             from .old_logprobs import placeholder_for
@@ -154,12 +186,6 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)
         call.used = True  # only the policy forward of this _compute_loss call is routed
         bound = _bind(wrapped, args, kwargs)
-        for name in MULTIMODAL_KEYS:
-            if bound.get(name) is not None:
-                raise RuntimeError(
-                    f"grpo_patches: row routing got multimodal input {name!r}; the loss wrappers must not "
-                    "route multimodal micro-batches (please report this)"
-                )
         batch = int(bound["input_ids"].size(0))
         device = bound["input_ids"].device
         keep = call.keep if call.keep is not None else torch.arange(batch, device=device)
@@ -168,23 +194,26 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
         dropped_mask[keep] = False
         drop = torch.nonzero(dropped_mask).flatten()
 
+        if is_multimodal(bound) and (drop.numel() or call.always_split):
+            call.row_inputs = per_row_inputs(wrapped, bound)
         if call.tiled is not None:
-            loss, logps, entropies = call.tiled(instance, bound, keep)
+            kept_args = dict(bound) if not drop.numel() else rows_of(bound, keep, row_inputs=call.row_inputs)
+            loss, logps, entropies, aux = call.tiled(instance, wrapped, kept_args, keep)
             call.tiled_loss = loss  # normalised by the whole micro-batch's denominators
-            kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach())
+            kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach(), aux)
         else:
             if drop.numel() == 0 and not call.always_split:
                 out = wrapped(**bound)
                 call.entropies, call.forward_rows = out[1], batch
                 return out
-            kept_out = tuple(wrapped(**rows_of(bound, keep)))
+            kept_out = tuple(wrapped(**rows_of(bound, keep, row_inputs=call.row_inputs)))
         call.forward_rows = int(keep.numel())
 
         dropped_out: tuple = (None, None)
         if call.dropped_forward and (drop.numel() or call.always_split):
             rows = drop if drop.numel() else keep[:1]  # dummy row: same number of forwards on every rank
             with torch.no_grad():
-                dropped_out = tuple(wrapped(**rows_of(bound, rows)))
+                dropped_out = tuple(wrapped(**rows_of(bound, rows, row_inputs=call.row_inputs)))
             call.forward_rows += int(rows.numel())
             if not drop.numel():
                 dropped_out = (None, None)

@@ -13,7 +13,7 @@ Under data parallelism every rank keeps the same number of rows (the hook aligns
 every rank runs the same number of forward chunks (ZeRO-3 / FSDP gather inside each).
 Not deferred when something reads the old log-probs inside the method (vLLM importance
 sampling), with ``dropped_rows_metrics=True`` (then TRL's metrics need every row's), for
-multimodal rollouts, or when the filter is off for the trainer.
+multimodal rollouts on TRL < 1.15, or when the filter is off for the trainer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 from grpo_patches import api
 
 from . import metrics, state
-from .loss_rows import MULTIMODAL_KEYS, loss_mask, rows_of
+from .loss_rows import is_multimodal, loss_mask, multimodal_rows_supported, rows_of
 
 
 @dataclass
@@ -73,7 +73,7 @@ def placeholder_for(trainer: Any, arguments: Mapping[str, Any], arity: int) -> t
     deferred = state.of(trainer).deferred
     if (deferred is None or deferred.placeholder is not None or torch.is_grad_enabled()
             or arguments.get("model") is not trainer.model
-            or any(arguments.get(key) is not None for key in MULTIMODAL_KEYS)):
+            or (is_multimodal(arguments) and not multimodal_rows_supported())):
         return None
     ids = arguments["input_ids"]
     deferred.arguments = dict(arguments)
@@ -107,8 +107,9 @@ def complete(trainer: Any, deferred: Deferred | None, output: dict) -> None:
         advantages=output["advantages"], mask=loss_mask(output), denominator="fixed", group=None
     )
     keep = torch.arange(rows, device=deferred.placeholder.device) if plan is None else plan.keep
+    method = trainer._get_per_token_logps_and_entropies
     with torch.no_grad(), _no_checkpointing(trainer):
-        values = trainer._get_per_token_logps_and_entropies(**rows_of(deferred.arguments, keep))[0]
+        values = method(**rows_of(deferred.arguments, keep, method))[0]
     old = deferred.placeholder.to(values.dtype).index_copy(0, keep.to(values.device), values)
     output["old_per_token_logps"] = old
     metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()))
