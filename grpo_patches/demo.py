@@ -114,10 +114,11 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
 def format_table(off: dict[str, Any], on: dict[str, Any], weight_diff: float) -> str:
     from grpo_patches.step_timer import TRAINER_SIDE
 
-    def side(run: dict[str, Any]) -> float:
-        return sum(run["time"][name] for name in TRAINER_SIDE)
+    def side(run: dict[str, Any], kind: str = "") -> float:
+        return sum(run["time"][kind + name] for name in TRAINER_SIDE)
 
     ratio = side(on) / side(off) if side(off) else float("nan")
+    cpu_ratio = side(on, "cpu_") / side(off, "cpu_") if side(off, "cpu_") else float("nan")
     rows = [
         ("old-logprob passes (rows)", f"{off['old_logprob_passes']} ({off['rows']['old_logprobs']})",
          f"{on['old_logprob_passes']} ({on['rows']['old_logprobs']})"),
@@ -125,6 +126,8 @@ def format_table(off: dict[str, Any], on: dict[str, Any], weight_diff: float) ->
         ("policy-forward rows, with autograd", off["rows"]["policy_with_grad"], on["rows"]["policy_with_grad"]),
         ("rows dropped from the update", off["rows_dropped"], on["rows_dropped"]),
         ("trainer-side time (s)", f"{side(off):.1f}", f"{side(on):.1f} ({ratio:.2f}x)"),
+        # CPU seconds (all threads) vary less with other processes' load than wall seconds
+        ("trainer-side CPU time (s)", f"{side(off, 'cpu_'):.1f}", f"{side(on, 'cpu_'):.1f} ({cpu_ratio:.2f}x)"),
         *((f"  {label}", f"{off['time'][name]:.1f}", f"{on['time'][name]:.1f}")
           for name, label in (("old_logprobs", "old-logprob passes"), ("policy_forward", "policy forward + loss"),
                               ("backward", "backward"), ("optimizer", "optimizer"))),
