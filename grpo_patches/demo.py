@@ -1,9 +1,11 @@
 """``grpo-patches demo``: train the embedded tiny model with TRL twice, patches off and on.
 
 Each run is a subprocess (a clean peak-memory reading and no shared state); both start
-from the same saved model and seeds. The passes are counted by an instrument independent of
-the patches (a counting wrapper on TRL's log-prob method), so the table does not rely on the
-adapter's own bookkeeping.
+from the same saved model and seeds. Passes, rows and time are measured by an instrument
+independent of the patches (:mod:`grpo_patches.step_timer`: TRL's log-prob method wrapped
+beneath them, the loss, backward and optimizer around them), so the table does not rely on
+the adapter's own bookkeeping. Generation (sampling, rewards) is timed apart: on a tiny model
+it dominates the wall time and the patches do not touch it.
 """
 
 from __future__ import annotations
@@ -39,24 +41,9 @@ DEMO_CONFIG: dict[str, Any] = dict(
     bf16=False,  # GRPOConfig turns on bf16 autocast by default, even on CPU: keep the demo in fp32
 )
 DEFAULT_STEPS = 16
-#: Wider than the tests' model so that the passes saved are visible next to per-call overhead.
-MODEL_HIDDEN, MODEL_LAYERS = 256, 4
-
-
-def _count_passes(trainer: Any, counts: dict[str, int]) -> None:
-    """Count reference and old-policy log-prob passes (no-grad calls of TRL's log-prob method)."""
-    import torch
-    import wrapt
-
-    def counter(wrapped, instance, args, kwargs):
-        model = args[0] if args else kwargs.get("model")
-        if model is getattr(instance, "ref_model", None) and model is not None:
-            counts["reference_passes"] += 1
-        elif not torch.is_grad_enabled():
-            counts["old_logprob_passes"] += 1
-        return wrapped(*args, **kwargs)
-
-    wrapt.wrap_function_wrapper(type(trainer), "_get_per_token_logps_and_entropies", counter)
+#: Wider than the tests' model, with a realistic lm-head share (vocab 8192), so that the work
+#: saved shows in the trainer-side time next to per-call overhead.
+MODEL_HIDDEN, MODEL_LAYERS, MODEL_VOCAB = 256, 4, 8192
 
 
 def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
@@ -68,14 +55,16 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
 
     import grpo_patches
     from grpo_patches import savings, tiny_model
+    from grpo_patches.step_timer import StepTimer
 
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes via TRL
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    timer = StepTimer()
+    timer.install(GRPOTrainer)  # beneath the patches: passes and rows that really run
     if patched:
         grpo_patches.enable("trl")
-    counts = {"reference_passes": 0, "old_logprob_passes": 0}
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -87,7 +76,8 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
             if bar is not None:
                 bar.update(1)
 
-    path = tiny_model.tiny_model_path(out.parent / "model", hidden_size=MODEL_HIDDEN, num_layers=MODEL_LAYERS)
+    path = tiny_model.tiny_model_path(out.parent / "model", hidden_size=MODEL_HIDDEN, num_layers=MODEL_LAYERS,
+                                      vocab_size=MODEL_VOCAB)
     trainer = GRPOTrainer(
         model=path,
         reward_funcs=tiny_model.reward_constant_per_prompt,
@@ -99,7 +89,7 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # the table below is the output, not per-step log dicts
-    _count_passes(trainer, counts)
+    timer.attach(trainer)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -109,7 +99,9 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
     saved = savings.totals("trl")
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out.with_suffix(".pt"))
     result = {
-        **counts,
+        **timer.passes,
+        "rows": timer.rows,
+        "time": timer.totals,
         "rows_dropped": saved.get("rows_dropped", 0),
         "wall_s": wall,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -120,18 +112,34 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
 
 
 def format_table(off: dict[str, Any], on: dict[str, Any], weight_diff: float) -> str:
+    from grpo_patches.step_timer import TRAINER_SIDE
+
+    def side(run: dict[str, Any], kind: str = "") -> float:
+        return sum(run["time"][kind + name] for name in TRAINER_SIDE)
+
+    ratio = side(on) / side(off) if side(off) else float("nan")
+    cpu_ratio = side(on, "cpu_") / side(off, "cpu_") if side(off, "cpu_") else float("nan")
     rows = [
-        ("old-logprob passes", off["old_logprob_passes"], on["old_logprob_passes"]),
+        ("old-logprob passes (rows)", f"{off['old_logprob_passes']} ({off['rows']['old_logprobs']})",
+         f"{on['old_logprob_passes']} ({on['rows']['old_logprobs']})"),
         ("reference passes", off["reference_passes"], on["reference_passes"]),
+        ("policy-forward rows, with autograd", off["rows"]["policy_with_grad"], on["rows"]["policy_with_grad"]),
         ("rows dropped from the update", off["rows_dropped"], on["rows_dropped"]),
+        ("trainer-side time (s)", f"{side(off):.1f}", f"{side(on):.1f} ({ratio:.2f}x)"),
+        # CPU seconds (all threads) vary less with other processes' load than wall seconds
+        ("trainer-side CPU time (s)", f"{side(off, 'cpu_'):.1f}", f"{side(on, 'cpu_'):.1f} ({cpu_ratio:.2f}x)"),
+        *((f"  {label}", f"{off['time'][name]:.1f}", f"{on['time'][name]:.1f}")
+          for name, label in (("old_logprobs", "old-logprob passes"), ("policy_forward", "policy forward + loss"),
+                              ("backward", "backward"), ("optimizer", "optimizer"))),
+        ("generation + rewards (s, apart)", f"{off['time']['generation']:.1f}", f"{on['time']['generation']:.1f}"),
         ("wall time (s)", f"{off['wall_s']:.1f}", f"{on['wall_s']:.1f}"),
         ("peak memory (MB, process RSS)", f"{off['peak_rss_mb']:.0f}", f"{on['peak_rss_mb']:.0f}"),
         ("final reward", f"{off['final_reward']:.4f}", f"{on['final_reward']:.4f}"),
     ]
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{width}}  {'patches off':>12}  {'patches on':>12}", "-" * (width + 28)]
-    lines += [f"{name:<{width}}  {a!s:>12}  {b!s:>12}" for name, a, b in rows]
-    lines.append(f"{'max |weight difference|':<{width}}  {weight_diff:>26.3e}")
+    lines = [f"{'':<{width}}  {'patches off':>14}  {'patches on':>14}", "-" * (width + 32)]
+    lines += [f"{name:<{width}}  {a!s:>14}  {b!s:>14}" for name, a, b in rows]
+    lines.append(f"{'max |weight difference|':<{width}}  {weight_diff:>30.3e}")
     return "\n".join(lines)
 
 

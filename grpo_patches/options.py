@@ -30,12 +30,20 @@ class Options:
         on where it reproduces the framework's loss exactly, else the framework's own path
         with the reason in status; ``True``: a clear error for what it cannot reproduce).
     :ivar tile_size: tokens per tile of the tiled loss; ``None`` picks it from a memory budget.
-    :ivar dropped_rows_metrics: the rows the zero-advantage filter drops get a no-grad
-        forward so that every metric logged over all rows (entropy, KL, ratio statistics)
-        stays exactly the framework's. Off by default: dropped rows then cost no forward at
-        all, and a metric that needs their forward is computed over the kept rows and logged
-        under a name that says so (``.../kept_rows``). Metrics the dropped rows provably do
-        not change (clip fractions: a zero advantage is never clipped) keep their names.
+    :ivar dropped_rows_metrics: what the rows the zero-advantage filter drops cost, and what
+        the metrics logged over a micro-batch mean (one meaning in every adapter):
+
+        - ``False`` (default): dropped rows cost no forward at all (no policy forward, and no
+          old-logprob forward where the adapter can decide after the advantages exist). A
+          metric that needs their forward (entropy, ratio statistics, ...) is logged over the
+          *kept rows* — the rows with a non-zero advantage, not rows kept only to align
+          data-parallel ranks — under ``<name>/kept_rows`` (NaN, i.e. skipped, when there are
+          none); the plain name is then never logged. Metrics the dropped rows provably do not
+          change keep their names and exact values (clip fractions count a token only when its
+          advantage has the clipped side's sign; a zero advantage never does). A metric the
+          adapter cannot classify is not logged, with a note in ``status()``.
+        - ``True``: dropped rows get a no-grad forward (no activations kept, no backward), so
+          every metric keeps its name and exact value over all rows.
     """
 
     recompute: bool = True

@@ -17,6 +17,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from grpo_patches.caller_frame import transparent
 from grpo_patches.errors import UnsupportedFrameworkError
 
 #: wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
@@ -106,7 +107,8 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     """Resolve every target (and its wrapper) first, then apply them all in order.
 
     The targets' modules must be imported. Two records on one attribute stack: the later
-    wraps the earlier.
+    wraps the earlier. Each wrapper calls the original as if from the patched method's caller
+    (:mod:`grpo_patches.caller_frame`), so the framework's warnings keep the user's frame.
 
     :raises UnsupportedFrameworkError: naming framework, version, target and range for every
         target that cannot be found; nothing is applied then.
@@ -125,7 +127,7 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     applied = []
     for target, wrapper in zip(targets, wrappers):
         parent, attribute, original, owned = _resolve(target)  # again: stacked records see the earlier proxy
-        proxy = wrapt.FunctionWrapper(original, wrapper)
+        proxy = wrapt.FunctionWrapper(original, transparent(wrapper))
         setattr(parent, attribute, proxy)
         applied.append(AppliedPatch(target, parent, attribute, original, owned, proxy))
     return applied

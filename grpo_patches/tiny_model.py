@@ -26,7 +26,7 @@ WORDS: tuple[str, ...] = tuple(f"{c}{s}" for c in "bcdfghjklmnpqrstvwxyz" for s 
 MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, int, int, int], str] = {}
+_cache: dict[tuple[str, int, int, int, int | None], str] = {}
 
 
 def vocabulary() -> dict[str, int]:
@@ -63,14 +63,18 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return tok
 
 
-def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Any:
-    """A randomly initialised Qwen2ForCausalLM (fp32) with tied embeddings."""
+def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, vocab_size: int | None = None) -> Any:
+    """A randomly initialised Qwen2ForCausalLM (fp32) with tied embeddings.
+
+    :param vocab_size: the lm-head's vocabulary (default: the tokenizer's ~250 words); a
+        larger one gives a realistic lm-head cost, its extra ids are never produced.
+    """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok_vocab = len(SPECIAL_TOKENS) + len(WORDS)
     config = Qwen2Config(
-        vocab_size=tok_vocab,
+        vocab_size=max(vocab_size or tok_vocab, tok_vocab),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
@@ -92,23 +96,28 @@ def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> An
 
 
 def tiny_model_path(
-    directory: str | os.PathLike | None = None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+    directory: str | os.PathLike | None = None,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int | None = None,
 ) -> str:
     """Save the tiny model + tokenizer under ``directory`` (a per-process temp dir by default).
 
     Cached per process and (directory, seed, size): repeated calls return the same path
     without rebuilding. Returns the directory path as a string.
     """
-    key = (str(directory) if directory is not None else "", seed, hidden_size, num_layers)
+    key = (str(directory) if directory is not None else "", seed, hidden_size, num_layers, vocab_size)
     with _lock:
         if key in _cache and Path(_cache[key], "config.json").exists():
             return _cache[key]
         base = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="grpo_patches_tiny_"))
         size = "" if (hidden_size, num_layers) == (64, 2) else f"-h{hidden_size}-l{num_layers}"
+        size += f"-v{vocab_size}" if vocab_size else ""
         path = base / f"tiny-qwen2-seed{seed}{size}"
         if not (path / "config.json").exists():
             path.mkdir(parents=True, exist_ok=True)
-            build_model(seed, hidden_size, num_layers).save_pretrained(path)
+            build_model(seed, hidden_size, num_layers, vocab_size).save_pretrained(path)
             build_tokenizer().save_pretrained(path)
         _cache[key] = str(path)
         return str(path)

@@ -21,8 +21,12 @@ def test_demo_prints_fewer_passes_and_identical_weights():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    off, on = map(int, re.search(r"old-logprob passes\s+(\d+)\s+(\d+)", out).groups())
+    off, on = map(int, re.search(r"old-logprob passes \(rows\)\s+(\d+) \(\d+\)\s+(\d+)", out).groups())
     assert on < off  # GA=3 / steps_per_generation=2: upstream recomputes every rollout
+    grad_rows = re.search(r"policy-forward rows, with autograd\s+(\d+)\s+(\d+)", out).groups()
+    assert int(grad_rows[1]) < int(grad_rows[0])  # dropped rows get no forward (counted beneath the patches)
+    for row in ("trainer-side time", "generation \\+ rewards", "backward"):  # time is shown, never asserted
+        assert re.search(row + r".*\s+\d+\.\d\s+\d+\.\d", out), row
     dropped = re.search(r"rows dropped from the update\s+(\d+)\s+(\d+)", out).groups()
     assert dropped[0] == "0" and int(dropped[1]) > 0
     assert float(re.search(r"max \|weight difference\|\s+(\S+)", out).group(1)) == 0.0

@@ -93,3 +93,32 @@ def test_env_variable_patches_a_fresh_interpreter_at_import():
     assert out["wrapped"] == "FunctionWrapper" and out["patched"] is True
     assert out["savings"]["old_logprob_passes_skipped"] == 2
     assert out["options"]["zero_advantage_filter"] is False
+
+
+def test_trl_warnings_from_a_patched_init_name_the_users_line(monkeypatch, tmp_path):
+    """TRL's ``__init__`` warns with ``stacklevel=2``; patched, it must still name this file."""
+    import inspect
+    import warnings
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_patches import tiny_model
+
+    if "rollout_func" not in inspect.signature(GRPOTrainer.__init__).parameters:
+        pytest.skip("this TRL has no rollout_func (its experimental-feature warning is the probe)")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "0")
+    path = tiny_model.tiny_model_path()
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                      per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    grpo_patches.enable("trl")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            GRPOTrainer(model=path, reward_funcs=tiny_model.reward_char_sum, args=args,
+                        train_dataset=tiny_model.prompt_dataset(4), processing_class=tiny_model.load_tokenizer(path),
+                        rollout_func=lambda prompts, trainer: {})
+    finally:
+        grpo_patches.disable("trl")
+    probes = [w for w in caught if "rollout_func" in str(w.message)]
+    assert probes and all((w.filename, w.lineno) == (__file__, line) for w in probes)

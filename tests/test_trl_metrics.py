@@ -16,15 +16,17 @@ def fake_trainer(training=True):
                            _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
 
 
-def test_add_count_logs_the_running_total_and_survives_trl_clearing():
+def test_add_count_logs_per_logging_step_and_keeps_the_total():
     t = fake_trainer()
     assert metrics.add_count(t, "rows_dropped", 3) == 3
     assert metrics.add_count(t, "rows_dropped", 2) == 5
-    assert t._metrics["train"]["grpo_patches/rows_dropped"] == [5.0]
+    assert t._metrics["train"]["grpo_patches/rows_dropped"] == [5.0]  # TRL averages a 1-element list
     t._metrics["train"].clear()  # what GRPOTrainer.log does after each log row
     metrics.add_count(t, "rows_dropped", 0)
-    assert t._metrics["train"]["grpo_patches/rows_dropped"] == [5.0]
-    assert metrics.count_total(t, "rows_dropped") == 5
+    assert t._metrics["train"]["grpo_patches/rows_dropped"] == [0.0]
+    metrics.add_count(t, "rows_dropped", 4)
+    assert t._metrics["train"]["grpo_patches/rows_dropped"] == [4.0]
+    assert metrics.count_total(t, "rows_dropped") == 9
 
 
 def test_report_feeds_status_totals_and_trl_metrics():

@@ -8,6 +8,7 @@ Stable API (other test modules rely on it)::
     result.log_history   # trainer.state.log_history
     result.savings       # grpo_patches.savings.totals("trl") for this run
     result.metrics(name) # the values of one logged metric, in order
+    result.forwards      # with count_forwards=True: rows through TRL's log-prob method
 
 Every run starts from the same saved tiny model with the same seeds, so the unpatched and
 patched runs see identical data and generations; only the patches differ.
@@ -59,6 +60,14 @@ class RunResult:
         """Every logged value of ``name`` (per logging step), in order."""
         return [row[name] for row in self.log_history if name in row]
 
+    def notes(self, klass: str = "trl.trainer.grpo_trainer.GRPOTrainer") -> dict[str, str]:
+        """The status notes of one trainer class (what ran for it)."""
+        return self.status.get("by_class", {}).get(klass, {})
+
+    @property
+    def forwards(self) -> "ForwardRows":
+        return self.extra["forwards"]
+
     def max_weight_diff(self, other: "RunResult") -> float:
         """Largest absolute difference between the final weights of two runs."""
         return max(float((self.weights[k] - other.weights[k]).abs().max()) for k in self.weights)
@@ -68,6 +77,41 @@ class RunResult:
         import torch
 
         return all(torch.equal(self.weights[k], other.weights[k]) for k in self.weights)
+
+
+@dataclass
+class ForwardRows:
+    """Rows through TRL's ``_get_per_token_logps_and_entropies``, counted beneath the patches
+    (so a pass the patches answer without running it is not counted)."""
+
+    with_grad: int = 0  # the policy forward of the loss
+    no_grad: int = 0  # old-logprob / reference passes, and the dropped rows' metrics forward
+    no_grad_calls: int = 0
+
+
+def _count_forwards(counter: ForwardRows) -> Callable[[], None]:
+    """Install the counter on GRPOTrainer (before grpo_patches wraps it); returns the undo."""
+    import torch
+    import wrapt
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    name = "_get_per_token_logps_and_entropies"
+    original = GRPOTrainer.__dict__[name]
+
+    def count(wrapped, instance, args, kwargs):
+        model = kwargs["model"] if "model" in kwargs else args[0]
+        if getattr(model, "runs_no_forward", False):  # grpo_patches' input recorder: no forward
+            return wrapped(*args, **kwargs)
+        rows = int((kwargs["input_ids"] if "input_ids" in kwargs else args[1]).size(0))
+        if torch.is_grad_enabled():
+            counter.with_grad += rows
+        else:
+            counter.no_grad += rows
+            counter.no_grad_calls += 1
+        return wrapped(*args, **kwargs)
+
+    setattr(GRPOTrainer, name, wrapt.FunctionWrapper(original, count))
+    return lambda: setattr(GRPOTrainer, name, original)
 
 
 def train(
@@ -84,6 +128,8 @@ def train(
     callbacks: Sequence[Any] = (),
     trainer_hook: Callable[[Any], None] | None = None,
     trainer_class: type | None = None,
+    count_forwards: bool = False,
+    model_path: str | None = None,
     **grpo_config_overrides: Any,
 ) -> RunResult:
     """Train ``steps`` optimizer steps (``max_steps``) and return the final state.
@@ -100,6 +146,8 @@ def train(
     :param callbacks: extra ``TrainerCallback``s.
     :param trainer_hook: called with the built trainer before training (e.g. to spy on it).
     :param trainer_class: a ``GRPOTrainer`` subclass to build instead (e.g. a custom sampler).
+    :param count_forwards: count the rows through TRL's log-prob method (``result.forwards``).
+    :param model_path: a saved model (with the tiny word tokenizer) instead of the tiny Qwen2.
     :param grpo_config_overrides: ``GRPOConfig`` fields overriding :data:`DEFAULT_CONFIG`.
     """
     import torch
@@ -116,16 +164,19 @@ def train(
         pm.register(plugin)
     if patched is not None:
         grpo_patches.disable("trl")
+    counter = ForwardRows()
+    uncount = _count_forwards(counter) if count_forwards else None
     try:
         if patched:
             grpo_patches.enable("trl", **(options or {}))
         args = GRPOConfig(**config)
+        path = model_path or tiny_model.tiny_model_path()
         trainer = (trainer_class or GRPOTrainer)(
-            model=tiny_model.tiny_model_path(),
+            model=path,
             reward_funcs=reward_funcs if reward_funcs is not None else tiny_model.reward_char_sum,
             args=args,
             train_dataset=dataset if dataset is not None else tiny_model.prompt_dataset(num_prompts),
-            processing_class=tiny_model.load_tokenizer(tiny_model.tiny_model_path()),
+            processing_class=tiny_model.load_tokenizer(path),
             callbacks=list(callbacks) or None,
         )
         if trainer_hook is not None:
@@ -140,10 +191,13 @@ def train(
             status=status,
             output_dir=config["output_dir"],
             global_step=trainer.state.global_step,
+            extra={"forwards": counter},
         )
     finally:
         if patched is not None:
             grpo_patches.disable("trl")
+        if uncount is not None:
+            uncount()
         for plugin in plugins:
             pm.unregister(plugin)
         torch.set_grad_enabled(True)

@@ -10,10 +10,18 @@ table order (a later one wraps an earlier one):
 - ``_get_per_token_logps_and_entropies`` (always; inert outside a loss call): answers the
   policy forward of one loss call for a row subset and/or through the tiled loss
   (:mod:`.loss_rows`). It returns 2 values in TRL 0.20-1.6 and 3 (plus the MoE aux loss) from 1.7.
-- ``_compute_loss`` (``zero_advantage_filter``): :mod:`.filter`.
+- ``_compute_loss`` (``zero_advantage_filter``): :mod:`.filter`; GMPOTrainer's own
+  ``_compute_loss`` (``trl.experimental.gmpo``, TRL 1.7+) gets the same wrapper through its own
+  record, applied when that module is imported.
 - ``compute_loss`` (``tiled_loss``; TRL 1.16, whose loss normalisers it reproduces): :mod:`.tiled`.
-- ``__init__`` (always): checks a new trainer's config for the loss patches at once, so an
-  incompatible setting is an error when the trainer is built, not after the first rollout.
+- ``__init__`` (always): decides per new trainer which optimizations run for it
+  (:mod:`.on_init`), so an incompatible setting or subclass is an error when the trainer is
+  built (option ``True``), or that optimization is off for it with a note (``"auto"``).
+
+A subclass that overrides a method an optimization wraps or rests on turns that optimization
+off for its class (:mod:`.overrides`), unless the adapter knows the subclass's objective
+(GMPO's, for the filter: :mod:`.loss_types`). ``status()["trl"]["by_class"]`` says, per
+trainer class, what actually ran.
 
 Counters go to ``grpo_patches.status()`` and TRL's own metrics (:mod:`.metrics`). Wrappers are
 named by string so that importing this table imports neither torch nor TRL.
@@ -25,6 +33,7 @@ from grpo_patches.patching import PatchTarget
 from grpo_patches.registry import Adapter
 
 MODULE = "trl.trainer.grpo_trainer"
+GMPO = "trl.experimental.gmpo.gmpo_trainer"
 _HERE = "grpo_patches.adapters.trl"
 
 #: Every patch record of the TRL adapter (module, attribute, wrapper, versions, option).
@@ -37,9 +46,11 @@ PATCHES = (
                 versions=">=1.7.0.dev0"),
     PatchTarget(MODULE, "GRPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper",
                 option="zero_advantage_filter"),
+    PatchTarget(GMPO, "GMPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper", versions=">=1.7",
+                option="zero_advantage_filter"),
     PatchTarget(MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.tiled:compute_loss_wrapper", versions=">=1.16",
                 option="tiled_loss"),
-    PatchTarget(MODULE, "GRPOTrainer.__init__", f"{_HERE}.loss:check_on_init"),
+    PatchTarget(MODULE, "GRPOTrainer.__init__", f"{_HERE}.on_init:check_on_init"),
 )
 
 ADAPTER = Adapter(name="trl", distribution="trl", supported=">=0.20,<1.17", patches=PATCHES)

@@ -1,25 +1,28 @@
-"""Zero-advantage filter for TRL's GRPOTrainer: skip the backward of rows with advantage 0.
+"""Zero-advantage filter for TRL's GRPOTrainer (and GMPOTrainer): rows with advantage 0 cost nothing.
 
-Wraps ``GRPOTrainer._compute_loss``. For each training micro-step it asks the
-``grpo_filter_zero_advantage`` hook which rows to keep and hands that plan to the policy
-forward (:mod:`.loss_rows`): kept rows run with gradients, dropped rows only in a no-grad
-forward, and TRL's own loss code then runs on the whole ``[B, T]`` micro-batch. So:
+Wraps ``GRPOTrainer._compute_loss`` (and ``GMPOTrainer._compute_loss``, its own record). For
+each training micro-step it asks the ``grpo_filter_zero_advantage`` hook which rows to keep
+and hands that plan to the policy forward (:mod:`.loss_rows`): kept rows run with gradients,
+and TRL's own loss code then runs on the whole ``[B, T]`` micro-batch, so every loss type
+keeps its normaliser without the adapter knowing it. The dropped rows' per-token losses are
+exactly 0 (their advantage is exactly 0 and their ratio finite) and carry no gradient. The
+number of micro-steps and optimizer steps never changes; the filter keeps >= 1 row and,
+under data parallelism, every rank keeps (and forwards) the same number of rows.
 
-* every loss type keeps its normaliser without the adapter knowing it (TRL computes it on
-  the full micro-batch; the dropped rows' per-token losses are exactly 0 because their
-  advantage is exactly 0, and they carry no gradient);
-* every metric TRL logs from ``_compute_loss`` (entropy, clip ratios, cispo/vespo metrics)
-  is computed by TRL from the true values of every row, in every TRL version;
-* the number of micro-steps and optimizer steps never changes; the filter keeps >= 1 row
-  and, under data parallelism, every rank runs the same number of forwards.
+``dropped_rows_metrics`` (one meaning in every adapter):
 
-What is saved is the dropped rows' backward (about 2/3 of their training FLOPs) and their
-stored activations; their forward is still run, without autograd, for the metrics.
+* ``False`` (default): the dropped rows get no forward at all, in the loss call and in the
+  old-logprob pass (:mod:`.old_logprobs`). TRL's metrics that need their forward are logged
+  over the kept rows under ``<name>/kept_rows``; the others keep their names and exact
+  values (:mod:`.kept_rows`).
+* ``True``: the dropped rows get a no-grad forward (no activations kept, no backward), so
+  every metric TRL logs is its own, exactly.
 
 The filter is exact only when zero-advantage rows have no gradient: ``beta != 0``, an
-entropy bonus, an entropy quantile mask or a router aux loss give them one. With
-``zero_advantage_filter=True`` such a config raises; with ``"auto"`` (or when enabled via
-``"all"``) the filter switches itself off and says why in ``grpo_patches.status()``.
+entropy bonus, an entropy quantile mask, a router aux loss, or a ``_compute_loss`` the adapter
+does not know (a subclass's) give them one or may. With ``zero_advantage_filter=True`` such a
+trainer is refused when it is built; with ``"auto"`` the filter switches itself off for it and
+says why in ``grpo_patches.status()`` (per trainer class).
 """
 
 from __future__ import annotations
@@ -29,16 +32,16 @@ from typing import Any, Callable
 from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 
-from . import metrics, state
-from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
-from .loss_types import denominator, gradient_terms
+from . import kept_rows, metrics, state
+from .loss_rows import is_multimodal, loss_call, loss_mask, multimodal_rows_supported
+from .loss_types import objective_of
 
 
 def decide(trainer: Any) -> bool:
-    """Whether the filter runs for ``trainer`` (decided once, at its first loss call).
+    """Whether the filter runs for ``trainer`` (decided once, when it is built).
 
-    :raises IncompatibleOptionsError: ``zero_advantage_filter=True`` with a config that
-        gives zero-advantage rows a gradient (names the setting and the fix).
+    :raises IncompatibleOptionsError: ``zero_advantage_filter=True`` with a config or a
+        trainer class that gives zero-advantage rows a gradient (names the setting and the fix).
     :raises OptionError: ``zero_advantage_filter=True`` with a ``loss_type`` it cannot handle.
     """
     own = state.of(trainer)
@@ -46,45 +49,82 @@ def decide(trainer: Any) -> bool:
         return own.filter_on
     from grpo_patches.zero_advantage import require_filter_compatible
 
-    loss_type = getattr(trainer, "loss_type", "grpo")
     try:
-        require_filter_compatible(gradient_terms(trainer))
-        denominator(loss_type)
+        objective = objective_of(trainer)
+        require_filter_compatible(objective.gradient_terms(trainer))
     except (IncompatibleOptionsError, OptionError) as exc:
         if api.active_options("trl") is None or api.strict("trl", "zero_advantage_filter"):
-            raise type(exc)(f"zero_advantage_filter=True: {exc}") from None
-        api.note("trl", "zero_advantage_filter", f"off: {exc}")
+            raise type(exc)(
+                f"zero_advantage_filter=True: {exc}. Pass zero_advantage_filter='auto' or False to "
+                "grpo_patches.enable(...)"
+            ) from None
+        api.note("trl", "zero_advantage_filter", f"off: {exc}", owner=trainer)
         own.filter_on = False
         return False
-    api.note("trl", "zero_advantage_filter", f"on (loss_type={loss_type!r})")
+    own.objective = objective
     own.filter_on = True
     return True
 
 
+def _note_running(trainer: Any) -> None:
+    """The per-class status note: what the filter did so far (written only once it ran)."""
+    own = state.of(trainer)
+    total = metrics.count_total
+    rows = int(total(trainer, "rows_dropped") + total(trainer, "rows_kept"))
+    text = (f"on ({own.objective.name} objective): {int(total(trainer, 'rows_dropped'))} of {rows} rows "
+            f"left out of the backward")
+    if not api.active_options("trl").dropped_rows_metrics:
+        text += (f", {int(total(trainer, 'forward_rows_skipped'))} of their policy forwards and "
+                 f"{int(total(trainer, 'old_logprob_rows_skipped'))} old-logprob rows skipped; "
+                 "metrics that need them are logged as <name>/kept_rows")
+    api.note("trl", "zero_advantage_filter", text, owner=trainer)
+
+
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``GRPOTrainer._compute_loss(model, inputs)``."""
+    """wrapt wrapper of ``GRPOTrainer._compute_loss(model, inputs)`` (and GMPO's)."""
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
     if instance is None or not instance.model.training or not decide(instance):
         return wrapped(*args, **kwargs)
-    if any(inputs.get(key) is not None for key in MULTIMODAL_KEYS):
-        return wrapped(*args, **kwargs)  # per-image tensors are not row-indexed: keep every row
+    if is_multimodal(inputs) and not multimodal_rows_supported():
+        api.note("trl", "zero_advantage_filter (multimodal)", "multimodal micro-batches keep every row: "
+                 "cutting their per-image inputs by row needs TRL >= 1.15", owner=instance)
+        return wrapped(*args, **kwargs)
 
     from grpo_patches.plugins import hook
 
+    mask = loss_mask(inputs)
     plan = hook().grpo_filter_zero_advantage(
-        advantages=inputs["advantages"],
-        mask=loss_mask(inputs),
-        denominator=denominator(instance.loss_type),
-        group=None,
+        advantages=inputs["advantages"], mask=mask, denominator=state.of(instance).objective.denominator, group=None
     )
+    if plan is None:
+        return wrapped(*args, **kwargs)
+    with_metrics = api.active_options("trl").dropped_rows_metrics
     distributed = getattr(instance.accelerator, "num_processes", 1) > 1
-    if plan is None or (plan.rows_dropped == 0 and not distributed):
+    bucket = metrics.bucket(instance)
+    before = kept_rows.snapshot(bucket) if bucket is not None else {}
+    with loss_call(instance) as call, kept_rows.captured_gamma_weights(instance) as gamma:
+        call.keep, call.dropped_forward = plan.keep, with_metrics
+        call.always_split = distributed and with_metrics
+        call.fill_logps = inputs.get("old_per_token_logps")
         loss = wrapped(*args, **kwargs)
-    else:
-        with loss_call(instance) as call:
-            call.keep, call.always_split = plan.keep, distributed
-            loss = wrapped(*args, **kwargs)
-    dropped = 0 if plan is None else plan.rows_dropped
-    tokens = 0 if plan is None else plan.tokens_dropped
-    metrics.report(instance, rows_dropped=dropped, tokens_dropped=tokens)
+    if not call.used:  # a policy forward we did not answer (moved internals): every row ran
+        metrics.report(instance, rows_dropped=0, tokens_dropped=0)
+        return loss
+    if bucket is not None and not with_metrics:
+        real = plan.keep[plan.weights != 0]  # kept for their gradient (not DP-alignment padding)
+
+        def kept_value(name: str) -> float | None:
+            if name == "entropy" and call.entropies is not None:
+                return kept_rows.entropy_over(instance, call.entropies, mask, real)
+            if name == "vespo/phi_seq_mean" and "phi" in gamma:
+                return kept_rows.row_mean_over(instance, gamma["phi"], real)
+            return None
+
+        kept_rows.relabel(instance, bucket, before, kept_value)
+    counts = dict(rows_dropped=plan.rows_dropped, tokens_dropped=plan.tokens_dropped)
+    if not with_metrics:
+        counts["forward_rows_skipped"] = int(mask.shape[0]) - call.forward_rows
+    metrics.report(instance, **counts)
+    metrics.add_count(instance, "rows_kept", plan.rows_kept, log=False)
+    _note_running(instance)
     return loss

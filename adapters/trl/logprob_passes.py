@@ -3,7 +3,8 @@
 TRL itself never builds a reference model nor runs the reference pass when ``beta == 0``,
 and logs no KL metric then. This observer asks the ``grpo_skip_reference_pass`` hook about
 each rollout and checks that TRL did what it decided (a decision TRL cannot follow is noted
-in status, never forced). The old-logprob pass is decided by :mod:`.recompute` (the ``grpo_recompute_old_logps``
+in status, never forced). A pass TRL skips on its own is no saving of ours: it is noted per
+trainer class in ``status()``, never counted in the savings. The old-logprob pass is decided by :mod:`.recompute` (the ``grpo_recompute_old_logps``
 hook); this observer only notes what ran.
 """
 
@@ -14,7 +15,6 @@ from typing import Any
 from grpo_patches import api
 from grpo_patches.plugins import hook
 
-from . import metrics
 
 
 def observe_logprob_passes(instance: Any, output: dict) -> None:
@@ -28,9 +28,9 @@ def observe_logprob_passes(instance: Any, output: dict) -> None:
         return
     ran_reference = "ref_per_token_logps" in output
     if decision.skip and not ran_reference:
-        metrics.report(instance, reference_passes_skipped=1)
-        api.note("trl", "reference_pass", f"skipped (TRL builds no reference model): {decision.reason}")
+        text = f"not run, by TRL itself (no reference model; not counted as a saving): {decision.reason}"
     elif decision.skip:
-        api.note("trl", "reference_pass", f"runs: TRL needs it with beta={instance.beta!r} ({decision.reason})")
+        text = f"runs: TRL needs it with beta={instance.beta!r} ({decision.reason})"
     else:
-        api.note("trl", "reference_pass", f"runs: {decision.reason}")
+        text = f"runs: {decision.reason}"
+    api.note("trl", "reference_pass", text, owner=instance)

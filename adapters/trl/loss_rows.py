@@ -4,17 +4,20 @@
 micro-batch. The loss wrappers (:mod:`.filter`, :mod:`.tiled`) put a :class:`LossCall` on the
 trainer for the duration of that call; the wrapper here answers that one forward:
 
-* zero-advantage filter: the kept rows go through the model with gradients; the dropped rows
-  go through a no-grad forward (no activations kept, no backward) so that their log-probs
-  and entropies are the true ones. Both are scattered back into ``[B, T]`` tensors, so TRL's
-  own loss code sees the whole micro-batch: every denominator, every logged metric (entropy,
-  clip ratios, ...) is computed by TRL exactly as without the patch. The dropped rows have
-  an advantage of exactly 0, hence a per-token loss of exactly 0 and no gradient.
+* zero-advantage filter: the kept rows go through the model with gradients. The dropped rows
+  either get no forward at all (default), their log-probs set to their old log-probs (or 0
+  when TRL uses the detached current ones) so that their ratio is exactly 1 and their
+  entropies to 0 (the filter then logs the entropy over the kept rows, :mod:`.kept_rows`), or,
+  with ``dropped_rows_metrics=True``, a no-grad forward for their true values. Both are
+  scattered back into ``[B, T]`` tensors, so TRL's own loss code sees the whole micro-batch:
+  every denominator is TRL's. The dropped rows have an advantage of exactly 0, hence a
+  per-token loss of exactly 0 (their ratio is finite) and no gradient.
 * tiled loss: the rows' loss is computed from hidden states through ``grpo_lm_head_loss``;
   TRL receives the detached log-probs / entropies for its metrics and its (then
   gradient-free) loss is replaced by the tiled one.
 
-Any other call (generation-time passes, no active :class:`LossCall`) goes straight through.
+Any other call (generation-time passes, no active :class:`LossCall`) goes straight through,
+except the old-logprob pass the filter defers to the kept rows (:mod:`.old_logprobs`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from . import state
 
 #: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
 ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-#: Multimodal inputs are indexed per image / tile, not per row: rows are never split then.
+#: Multimodal arguments, indexed per image / tile (not per row): a row subset takes its rows'
+#: model inputs as TRL cuts them (:mod:`.stand_ins`).
 MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -39,8 +43,9 @@ MULTIMODAL_KEYS = (
     "image_position_ids",
 )
 
-#: ``tiled(trainer, bound_args, rows) -> (loss, logps, entropies)`` for a LongTensor of rows.
-TiledRows = Callable[[Any, Mapping[str, Any], Any], tuple]
+#: ``tiled(trainer, method, arguments, rows) -> (loss, logps, entropies, aux_loss)``: the tiled loss
+#: of ``rows`` (a LongTensor), ``arguments`` being TRL's log-prob ``method``'s for those rows.
+TiledRows = Callable[[Any, Callable[..., Any], Mapping[str, Any], Any], tuple]
 
 
 @dataclass
@@ -48,18 +53,31 @@ class LossCall:
     """What the loss wrappers ask of the next policy forward of one ``_compute_loss`` call.
 
     :ivar keep: rows to run with gradients (``None``: all rows).
+    :ivar dropped_forward: the dropped rows get a no-grad forward for their true values
+        (``dropped_rows_metrics=True``); otherwise none, and their values are filled in.
+    :ivar fill_logps: ``[B, T]`` log-probs filled in for the dropped rows (their old log-probs,
+        so the ratio is exactly 1); ``None``: zeros (TRL then uses the detached current ones).
     :ivar always_split: run the no-grad forward even with nothing dropped (one dummy row), so
         every data-parallel rank runs the same number of forwards (ZeRO-3 / FSDP gather
         parameters collectively inside each forward).
     :ivar tiled: computes the tiled loss of a row subset (``None``: TRL's own forward).
     :ivar tiled_loss: set by the routing wrapper: the tiled loss of the kept rows.
+    :ivar used: set by the routing wrapper once it answered the forward.
+    :ivar entropies: set by the routing wrapper: the ``[B, T]`` entropies TRL received.
+    :ivar forward_rows: set by the routing wrapper: rows that went through a forward.
+    :ivar row_inputs: each row's multimodal model inputs (recorded once per call).
     """
 
     keep: Any = None
+    dropped_forward: bool = True
+    fill_logps: Any = None
     always_split: bool = False
     tiled: TiledRows | None = None
     tiled_loss: Any = None
     used: bool = False
+    entropies: Any = None
+    forward_rows: int = 0
+    row_inputs: Any = None
 
 
 def loss_mask(inputs: Any) -> Any:
@@ -98,19 +116,50 @@ def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, A
     return dict(bound.arguments)
 
 
-def _rows_of(bound: Mapping[str, Any], rows: Any) -> dict[str, Any]:
+def is_multimodal(arguments: Mapping[str, Any]) -> bool:
+    return any(arguments.get(name) is not None for name in MULTIMODAL_KEYS)
+
+
+def multimodal_rows_supported() -> bool:
+    """Row subsets of multimodal micro-batches need TRL's fused log-prob path (TRL >= 1.15),
+    whose model call a :class:`~.stand_ins.RowRecorder` can answer."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("trl")) >= Version("1.15")
+
+
+def rows_of(bound: Mapping[str, Any], rows: Any, method: Callable[..., Any] | None = None,
+            row_inputs: list | None = None) -> dict[str, Any]:
+    """The arguments of ``_get_per_token_logps_and_entropies`` for a subset of rows.
+
+    Multimodal arguments are not cut here: each row's model inputs are recorded once through
+    TRL's own ``method`` (or given as ``row_inputs``) and handed to the model with its rows.
+    """
     out = dict(bound)
     for name in ROW_ARGS:
         if out.get(name) is not None:
             out[name] = out[name].index_select(0, rows)
+    if is_multimodal(bound):
+        from .stand_ins import WithRowInputs, per_row_inputs
+
+        if row_inputs is None:
+            row_inputs = per_row_inputs(method, bound)
+        out.update(dict.fromkeys(MULTIMODAL_KEYS))
+        out["model"] = WithRowInputs(bound["model"], [row_inputs[i] for i in rows.tolist()])
     return out
 
 
-def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int) -> Any:
-    """``[B, ...]`` tensor with the kept rows (differentiable) and the dropped rows (constants)."""
+def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int, fill: Any = None) -> Any:
+    """``[B, ...]`` tensor with the kept rows (differentiable) and the dropped rows (constants:
+    ``dropped`` when given, else ``fill``'s rows, else zeros)."""
     if kept is None:
         return None
-    out = kept.new_zeros((rows, *kept.shape[1:]))
+    if fill is not None:
+        out = fill.detach().to(device=kept.device, dtype=kept.dtype)
+    else:
+        out = kept.new_zeros((rows, *kept.shape[1:]))
     out = out.index_copy(0, keep, kept)
     if dropped is not None and drop.numel():
         out = out.index_copy(0, drop, dropped.to(kept.dtype))
@@ -124,17 +173,19 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
     def per_token_logps_and_entropies(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         import torch
 
+        from .stand_ins import per_row_inputs
+
         call = active_call(instance) if instance is not None else None
+        if call is None and instance is not None and state.of(instance).deferred is not None:
+            from .old_logprobs import placeholder_for
+
+            answer = placeholder_for(instance, _bind(wrapped, args, kwargs), arity)
+            if answer is not None:
+                return answer  # the old-logprob pass, run for the kept rows once advantages exist
         if call is None or call.used:
             return wrapped(*args, **kwargs)
         call.used = True  # only the policy forward of this _compute_loss call is routed
         bound = _bind(wrapped, args, kwargs)
-        for name in MULTIMODAL_KEYS:
-            if bound.get(name) is not None:
-                raise RuntimeError(
-                    f"grpo_patches: row routing got multimodal input {name!r}; the loss wrappers must not "
-                    "route multimodal micro-batches (please report this)"
-                )
         batch = int(bound["input_ids"].size(0))
         device = bound["input_ids"].device
         keep = call.keep if call.keep is not None else torch.arange(batch, device=device)
@@ -143,24 +194,32 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
         dropped_mask[keep] = False
         drop = torch.nonzero(dropped_mask).flatten()
 
+        if is_multimodal(bound) and (drop.numel() or call.always_split):
+            call.row_inputs = per_row_inputs(wrapped, bound)
         if call.tiled is not None:
-            loss, logps, entropies = call.tiled(instance, bound, keep)
+            kept_args = dict(bound) if not drop.numel() else rows_of(bound, keep, row_inputs=call.row_inputs)
+            loss, logps, entropies, aux = call.tiled(instance, wrapped, kept_args, keep)
             call.tiled_loss = loss  # normalised by the whole micro-batch's denominators
-            kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach())
+            kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach(), aux)
         else:
             if drop.numel() == 0 and not call.always_split:
-                return wrapped(**bound)
-            kept_out = tuple(wrapped(**_rows_of(bound, keep)))
+                out = wrapped(**bound)
+                call.entropies, call.forward_rows = out[1], batch
+                return out
+            kept_out = tuple(wrapped(**rows_of(bound, keep, row_inputs=call.row_inputs)))
+        call.forward_rows = int(keep.numel())
 
         dropped_out: tuple = (None, None)
-        if drop.numel() or call.always_split:
+        if call.dropped_forward and (drop.numel() or call.always_split):
             rows = drop if drop.numel() else keep[:1]  # dummy row: same number of forwards on every rank
             with torch.no_grad():
-                dropped_out = tuple(wrapped(**_rows_of(bound, rows)))
+                dropped_out = tuple(wrapped(**rows_of(bound, rows, row_inputs=call.row_inputs)))
+            call.forward_rows += int(rows.numel())
             if not drop.numel():
                 dropped_out = (None, None)
-        logps = _merge(kept_out[0], dropped_out[0], keep, drop, batch)
+        logps = _merge(kept_out[0], dropped_out[0], keep, drop, batch, fill=call.fill_logps)
         entropies = _merge(kept_out[1], dropped_out[1], keep, drop, batch)
+        call.entropies = entropies
         if arity == 2:
             return logps, entropies
         aux = kept_out[2] if len(kept_out) > 2 else None

@@ -1,16 +1,25 @@
-"""TRL's loss normalisation, by ``loss_type``, and the settings that give zero-advantage rows a gradient.
+"""The objectives the TRL adapter knows: normalisation and the settings that give
+zero-advantage rows a gradient, per trainer class and ``loss_type``.
 
-Read from ``GRPOTrainer._compute_loss`` (TRL 1.16; older TRLs have a subset of the types).
-The extra division by ``current_gradient_accumulation_steps`` is the same for every
-micro-batch of a window, so it does not depend on which rows are present.
+Read from ``GRPOTrainer._compute_loss`` (TRL 1.16; older TRLs have a subset of the types) and
+``GMPOTrainer._compute_loss`` (``trl.experimental.gmpo``, TRL 1.7+). The extra division by
+``current_gradient_accumulation_steps`` is the same for every micro-batch of a window, so it
+does not depend on which rows are present. A subclass that overrides ``_compute_loss`` with
+anything else has an objective the adapter does not know (:func:`objective_of`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from grpo_patches.errors import OptionError
+from grpo_patches.errors import IncompatibleOptionsError, OptionError
+from grpo_patches.patching import overriding_class
 from grpo_patches.zero_advantage import GradientTerm
+
+GRPO_MODULE = "trl.trainer.grpo_trainer"
+GMPO_MODULE = "trl.experimental.gmpo.gmpo_trainer"
 
 #: ``loss_type`` -> what one micro-batch's loss is divided by (:data:`grpo_patches.zero_advantage.DENOMINATORS`).
 DENOMINATORS: dict[str, str] = {
@@ -53,3 +62,65 @@ def gradient_terms(trainer: Any) -> list[GradientTerm]:
     if getattr(trainer, "aux_loss_enabled", False):
         terms.append(GradientTerm("router_aux_loss_coef", float(getattr(trainer, "router_aux_loss_coef", 0.0)), "a router aux loss"))
     return terms
+
+
+def gmpo_gradient_terms(trainer: Any) -> list[GradientTerm]:
+    """GMPO's loss: ``-exp(mean clipped log-ratio) * A`` per row (+ a sequence KL): no entropy
+    bonus, no router aux loss (it never asks for one)."""
+    return [
+        GradientTerm("beta", float(getattr(trainer, "beta", 0.0)), "a KL term"),
+        GradientTerm(
+            "top_entropy_quantile",
+            float(getattr(trainer, "top_entropy_quantile", 1.0)),
+            neutral=1.0,
+            why="the entropy quantile is taken over every row of the micro-batch, so dropping rows "
+            "changes which tokens enter",
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A loss the adapter knows: its name, its :data:`DENOMINATORS` kind, the settings that
+    give zero-advantage rows a gradient, and the class whose ``_compute_loss`` defines it."""
+
+    name: str
+    denominator: str
+    gradient_terms: Callable[[Any], list[GradientTerm]]
+    owner: str
+
+
+def class_name(klass: type) -> str:
+    return f"{klass.__module__}.{klass.__qualname__}"
+
+
+def _known_class(module: str, name: str) -> type | None:
+    return getattr(sys.modules.get(module), name, None)
+
+
+def objective_of(trainer: Any) -> Objective:
+    """The objective ``trainer``'s ``_compute_loss`` computes.
+
+    :raises IncompatibleOptionsError: its class overrides ``_compute_loss`` with a loss the
+        adapter does not know, or overrides the policy forward the loss patches answer.
+    :raises OptionError: a ``loss_type`` the adapter does not know.
+    """
+    grpo = _known_class(GRPO_MODULE, "GRPOTrainer")
+    klass = type(trainer)
+    if grpo is None or not isinstance(trainer, grpo):
+        raise IncompatibleOptionsError(f"{class_name(klass)} is not a GRPOTrainer")
+    forward = overriding_class(klass, grpo, "_get_per_token_logps_and_entropies")
+    if forward is not None:
+        raise IncompatibleOptionsError(
+            f"{class_name(forward)} overrides GRPOTrainer._get_per_token_logps_and_entropies, "
+            "the policy forward the loss patches answer"
+        )
+    owner = overriding_class(klass, grpo, "_compute_loss")
+    if owner is None:
+        loss_type = getattr(trainer, "loss_type", "grpo")
+        return Objective(loss_type, denominator(loss_type), gradient_terms, class_name(grpo))
+    if owner is _known_class(GMPO_MODULE, "GMPOTrainer"):
+        return Objective("gmpo", "rows", gmpo_gradient_terms, class_name(owner))  # per-row mean / GA
+    raise IncompatibleOptionsError(
+        f"{class_name(owner)} overrides GRPOTrainer._compute_loss with a loss grpo_patches does not know"
+    )

@@ -2,7 +2,8 @@
 
 ``GRPOTrainer._metrics[mode]`` maps a name to a list of values; ``GRPOTrainer.log`` averages
 each list, adds it to the log row (console, wandb, tensorboard, ``state.log_history``) and
-clears the lists. Everything here is written under the ``grpo_patches/`` prefix.
+clears the lists. Everything here is written under the ``grpo_patches/`` prefix, as counts per
+logging step like TRL's own metrics; running totals are in ``grpo_patches.status()``.
 """
 
 from __future__ import annotations
@@ -21,27 +22,30 @@ def mode_of(trainer: Any) -> str:
     return "train" if trainer.model.training else "eval"
 
 
-def _bucket(trainer: Any, mode: str | None) -> Any:
+def bucket(trainer: Any, mode: str | None = None) -> Any:
+    """TRL's metric lists for ``mode`` (default: the trainer's current mode), or ``None``."""
     metrics = getattr(trainer, "_metrics", None)
     if metrics is None:  # not a TRL trainer (or a future TRL without _metrics): status only
         return None
     return metrics[mode or mode_of(trainer)]
 
 
-def add_count(trainer: Any, name: str, value: float = 1, mode: str | None = None) -> float:
-    """Add ``value`` to a per-trainer running total and log the total as ``grpo_patches/<name>``.
+def add_count(trainer: Any, name: str, value: float = 1, mode: str | None = None, log: bool = True) -> float:
+    """Add ``value`` to this logging step's ``grpo_patches/<name>`` and to a per-trainer total.
 
-    The metric's list holds that single total, so TRL's average shows the cumulative count
-    since training began (in every log row of a window where the counter was touched).
-    Returns the new total.
+    The metric's list holds one number, the sum since TRL's last log row (``log`` clears the
+    lists), so each log row shows that logging step's count, like TRL's own metrics. The
+    running total stays on the trainer (:func:`count_total`) and in ``grpo_patches.status()``.
+    ``log=False`` keeps the total only. Returns the new total.
     """
     mode = mode or mode_of(trainer)
     totals = state.of(trainer).totals
     key = (mode, name)
     totals[key] = totals.get(key, 0) + value
-    bucket = _bucket(trainer, mode)
-    if bucket is not None:
-        bucket[PREFIX + name] = [float(totals[key])]
+    lists = bucket(trainer, mode) if log else None
+    if lists is not None:
+        step = lists.get(PREFIX + name) or [0.0]
+        lists[PREFIX + name] = [float(step[-1] + value)]
     return totals[key]
 
 
@@ -51,10 +55,10 @@ def count_total(trainer: Any, name: str, mode: str = "train") -> float:
 
 
 def report(trainer: Any, **counts: float) -> None:
-    """Report work saved: into ``grpo_patches.status()`` totals and TRL's metrics (cumulative).
+    """Report work saved: into ``grpo_patches.status()`` totals and TRL's metrics (per logging step).
 
     ``report(trainer, old_logprob_passes_skipped=1)``; zero counts are still logged, so the
-    counter appears in the logs from the first event on.
+    counter appears in every log row from the first event on.
     """
     nonzero = {name: value for name, value in counts.items() if value}
     if nonzero:

@@ -37,7 +37,7 @@ from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
 from grpo_patches.plugins import hook
 from grpo_patches.recompute import cap_consumptions, explain, window_steps_left
 
-from . import metrics, state
+from . import metrics, overrides, state
 from .schedule import hf_micro_steps_left
 
 
@@ -155,6 +155,20 @@ class _ArgsView(wrapt.ObjectProxy):
         return self._self_gradient_accumulation_steps
 
 
+def decide_for_trainer(trainer: Any) -> bool:
+    """Whether the exact recompute runs for ``trainer``: not when its class overrides the
+    schedule it models (``training_step``, ``_prepare_inputs``) or the decided call; TRL's own
+    rule then decides, which is what it does unpatched (noted per trainer class)."""
+    own = state.of(trainer)
+    if own.recompute_on is None:
+        why = overrides.why_off(trainer, "recompute")
+        own.recompute_on = why is None
+        if why is not None:
+            api.note("trl", "old_logprob_pass", f"TRL's own rule (recompute off for this class): {why}",
+                     owner=trainer)
+    return own.recompute_on
+
+
 def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``_generate_and_score_completions`` (training mode) computing old log-probs iff
     this rollout needs them. Called by :func:`.generation.generation_wrapper`."""
@@ -198,6 +212,7 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
         "old_logprob_pass",
         f"computed for {int(computed)} of {int(rollouts)} rollouts "
         f"(TRL's modulo rule: {'every' if decision.upstream else 'none'}); last rollout: {reason}",
+        owner=instance,
     )
     return output
 

@@ -15,7 +15,11 @@ class TrainerState:
     :ivar window: micro-steps done in the current accumulation window (:mod:`.recompute`).
     :ivar last_decision: the recompute decision of the latest rollout (:mod:`.recompute`).
     :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
-    :ivar tiled_checked: the tiled loss's settings were checked for this trainer.
+    :ivar objective: the trainer's loss (:class:`.loss_types.Objective`), once the filter decided.
+    :ivar deferred: the old-logprob pass deferred to the kept rows during one rollout
+        (:mod:`.old_logprobs`).
+    :ivar tiled_on: whether the tiled loss runs for this trainer (decided once).
+    :ivar recompute_on: whether the exact recompute runs for this trainer (decided once).
     :ivar loss_call: what the loss wrappers ask of the policy forward inside one
         ``_compute_loss`` call (:mod:`.loss_rows`).
     :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
@@ -24,7 +28,10 @@ class TrainerState:
     window: Any = None
     last_decision: Any = None
     filter_on: bool | None = None
-    tiled_checked: bool = False
+    objective: Any = None
+    deferred: Any = None
+    tiled_on: bool | None = None
+    recompute_on: bool | None = None
     loss_call: Any = None
     totals: dict[tuple[str, str], float] = field(default_factory=dict)
 

@@ -1,16 +1,25 @@
-"""Tiled lm-head loss for TRL's GRPOTrainer (``tiled_loss=True``; TRL 1.16).
+"""Tiled lm-head loss for TRL's GRPOTrainer (``tiled_loss=True`` or ``"auto"``; TRL 1.16).
 
 Wraps ``GRPOTrainer.compute_loss``. TRL's ``_compute_loss`` still runs, so every metric it
-logs (entropy, clip ratios, KL, cispo / vespo metrics, policy loss) is computed by TRL's own
-code; only its policy forward is answered differently (:mod:`.loss_rows`): the backbone runs
-once (through the wrapped model, so DDP / FSDP hooks fire), its last hidden states and the
-lm-head weight go to the ``grpo_lm_head_loss`` hook, which returns the loss with TRL's
-normalisation and the per-token log-probs / entropies. TRL receives those detached for its
-metrics; the loss it then computes carries no gradient and is replaced by the tiled one.
+logs (entropy, clip ratios, KL, cispo / vespo metrics, policy loss, aux loss) and the loss
+value are TRL's own; only its policy forward is answered differently (:mod:`.loss_rows`):
+TRL's log-prob method runs with a stand-in model that stops at the backbone's last hidden
+state (:class:`~.stand_ins.LastHidden`; through the wrapped model, so DDP / FSDP hooks fire,
+multimodal inputs cut by TRL, the MoE aux loss from the model itself). The hidden states and
+the lm-head weight go to the ``grpo_lm_head_loss`` hook, which returns the policy loss with
+TRL's normalisation and the per-token log-probs / entropies. TRL gets those detached; the
+step's loss is TRL's value with the tiled loss's gradient (plus whatever TRL's own terms keep
+differentiable: the router aux loss).
 
-TRL's normalisers (1.16) are passed explicitly, computed from the whole micro-batch, so the
-tiled loss of a row subset (with the zero-advantage filter) keeps every denominator.
-Settings the tiled loss does not reproduce raise a clear error at the first loss call.
+Model logit transforms are applied as TRL's fused head applies them (:func:`logit_transform`);
+``top_entropy_quantile < 1`` takes the entropies from a no-grad tiled pass
+(``grpo_lm_head_token_stats``) and TRL's own ``get_high_entropy_mask``, passed on as
+``policy_token_mask``. TRL's normalisers (1.16) are passed explicitly, computed from the whole
+micro-batch, so the tiled loss of a row subset (with the zero-advantage filter) keeps every
+denominator. Whatever the tiled loss does not reproduce (a loss type it does not know, a
+subclass that overrides the loss, a model without a separate backbone) is refused with one
+clear error when the trainer is built (``tiled_loss=True``), or leaves that trainer on TRL's
+own loss path with the reason in ``status()`` (``"auto"``).
 """
 
 from __future__ import annotations
@@ -21,42 +30,67 @@ from typing import Any, Callable, Mapping
 from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError
 
-from . import state
-from .loss_rows import MULTIMODAL_KEYS, loss_call, loss_mask
+from . import metrics, overrides, state
+from .loss_rows import loss_call, loss_mask
 from .loss_types import denominator
 
-#: Config attributes of logit transforms the tiled loss does not apply (TRL's fused head does).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
-def check_supported(trainer: Any) -> None:
-    """Raise once per trainer if a setting would make the tiled loss differ from TRL's.
+def logit_transform(text_config: Any) -> dict[str, Any]:
+    """``logit_scale`` / ``logit_softcap`` of the tiled loss, read from the model config as TRL
+    1.16's fused head reads them (``trl.trainer.utils.add_fused_lm_head``): the softcap is
+    ``final_logit_softcapping`` (Gemma-2/3); the scale the first of ``logit_scale`` (Cohere),
+    ``output_multiplier``, ``lm_head_multiplier`` (Falcon-H1), else ``1 / logits_scaling``
+    (Granite, MiniCPM3; HyperCLOVA X multiplies by it), else 1."""
+    scale = None
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text_config, name, None) if scale is None else scale
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        scale = scaling if getattr(text_config, "model_type", "") == "hyperclovax" else 1 / scaling
+    return {"logit_scale": 1.0 if scale is None else float(scale),
+            "logit_softcap": getattr(text_config, "final_logit_softcapping", None)}
 
-    :raises IncompatibleOptionsError: naming the setting and the fix.
-    """
-    own = state.of(trainer)
-    if own.tiled_checked:
-        return
+
+def unsupported(trainer: Any) -> list[str]:
+    """What about ``trainer`` the tiled loss cannot reproduce (empty: nothing)."""
     from grpo_patches.tiled_loss import TRL_LOSS_TYPES
 
     problems = []
+    why = overrides.why_off(trainer, "tiled_loss")
+    if why is not None:
+        problems.append(why + " (a loss the tiled loss does not compute)")
     if trainer.loss_type not in TRL_LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {', '.join(TRL_LOSS_TYPES)})")
-    if getattr(trainer, "top_entropy_quantile", 1.0) != 1.0:
-        problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile} (the entropy mask; use 1.0)")
-    if getattr(trainer, "aux_loss_enabled", False):
-        problems.append("a MoE router aux loss (router_aux_loss_coef != 0)")
-    text_config = trainer.model.config.get_text_config()
-    for name in _LOGIT_TRANSFORMS:
-        value = getattr(text_config, name, None)
-        if value is not None and not (name == "logit_scale" and value == 1.0):
-            problems.append(f"model config {name}={value} (a logit transform the tiled loss does not apply)")
-    if problems:
+    try:
+        backbone_of(trainer, trainer.model)
+    except IncompatibleOptionsError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _refuse_or_note(trainer: Any, problems: list[str]) -> bool:
+    """``tiled_loss=True``: raise naming every problem; ``"auto"``: note them, return False."""
+    if api.strict("trl", "tiled_loss"):
         raise IncompatibleOptionsError(
             "tiled_loss=True cannot reproduce TRL's loss with: " + "; ".join(problems)
-            + ". Change the setting or pass tiled_loss=False to grpo_patches.enable(...)"
+            + ". Change the setting, or pass tiled_loss='auto' (TRL's own loss path there) or False to "
+            "grpo_patches.enable(...)"
         )
-    own.tiled_checked = True
+    api.note("trl", "tiled_loss", "off, TRL's own loss path: " + "; ".join(problems), owner=trainer)
+    return False
+
+
+def decide(trainer: Any) -> bool:
+    """Whether the tiled loss runs for ``trainer`` (decided once, when it is built).
+
+    :raises IncompatibleOptionsError: ``tiled_loss=True`` with something it cannot reproduce.
+    """
+    own = state.of(trainer)
+    if own.tiled_on is None:
+        problems = unsupported(trainer)
+        own.tiled_on = not problems or _refuse_or_note(trainer, problems)
+    return own.tiled_on
 
 
 def _normalizer(trainer: Any, inputs: Mapping[str, Any], mask: Any) -> float | Any:
@@ -128,88 +162,93 @@ def loss_options(trainer: Any, inputs: Mapping[str, Any], rows: Any) -> dict[str
     return options
 
 
-def _last_hidden(trainer: Any, model: Any, bound: Mapping[str, Any], rows: Any) -> Any:
-    """The backbone's last hidden states of ``rows``, from a forward through ``model``.
-
-    The call goes through the (DDP/FSDP-)wrapped model with ``logits_to_keep=1`` (one
-    position's logits); a forward hook on the backbone catches ``last_hidden_state``.
-    """
+def backbone_of(trainer: Any, model: Any) -> tuple[Any, Any]:
+    """``(causal LM, its backbone)`` under the DDP/FSDP/PEFT wrappers; the backbone is what
+    TRL's fused head runs (``base_model``: the language model of a VLM too)."""
     core = trainer.accelerator.unwrap_model(model)
     if hasattr(core, "get_base_model"):  # PEFT
         core = core.get_base_model()
-    backbone = core.base_model
+    backbone = getattr(core, "base_model", core)
     if backbone is core:
-        raise IncompatibleOptionsError(
-            f"tiled_loss=True needs a causal LM with a separate backbone; {type(core).__name__} has none. "
-            "Pass tiled_loss=False to grpo_patches.enable(...)"
-        )
-    captured: dict[str, Any] = {}
-
-    def catch(module: Any, args: Any, output: Any) -> None:
-        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-    model_inputs = {"input_ids": bound["input_ids"][rows], "attention_mask": bound["attention_mask"][rows]}
-    for name in ("token_type_ids", "mm_token_type_ids"):
-        if bound.get(name) is not None:
-            model_inputs[name] = bound[name][rows]
-    handle = backbone.register_forward_hook(catch)
-    try:
-        with trainer.accelerator.autocast():
-            model(**model_inputs, logits_to_keep=1, use_cache=False)
-    finally:
-        handle.remove()
-    return captured["hidden"], core
+        raise IncompatibleOptionsError(f"{type(core).__name__} has no separate backbone (base_model)")
+    return core, backbone
 
 
-def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[[Any, Mapping[str, Any], Any], tuple]:
+def _token_stats(trainer: Any, hidden: Any, head: Any, labels: Any, mask: Any, options: Mapping[str, Any]) -> Any:
+    """The entropies of every token, from a no-grad tiled pass (the high-entropy mask's input)."""
+    from grpo_patches.plugins import hook
+
+    stats = {name: options[name] for name in ("temperature", "logit_scale", "logit_softcap", "tile_size")
+             if name in options}
+    return hook().grpo_lm_head_token_stats(hidden=hidden, weight=head.weight, labels=labels, mask=mask,
+                                           options={**stats, "bias": head.bias})[1]
+
+
+def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[..., tuple]:
     """The :class:`~.loss_rows.LossCall` ``tiled`` callback for one micro-batch's ``inputs``."""
 
-    def tiled_rows(trainer: Any, bound: Mapping[str, Any], rows: Any) -> tuple:
+    def tiled_rows(trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any], rows: Any) -> tuple:
         from grpo_patches.plugins import hook
 
-        options = loss_options(trainer, inputs, rows)
-        width = int(bound["logits_to_keep"])
-        hidden, core = _last_hidden(trainer, bound["model"], bound, rows)
-        hidden = hidden[:, -width - 1 : -1]  # position t predicts token t + 1
+        from .stand_ins import LastHidden
+
+        core, backbone = backbone_of(trainer, trainer.model)
+        stand_in = LastHidden(arguments["model"], backbone)
+        _, _, aux = method(**{**arguments, "model": stand_in, "compute_entropy": False})
+        width = int(arguments["logits_to_keep"])
+        hidden = torch_cat(stand_in.hidden)[:, -width - 1 : -1]  # position t predicts token t + 1
         if trainer.args.cast_lm_head_to_fp32:
             hidden = hidden.float()
         head = core.get_output_embeddings()
+        labels = arguments["input_ids"][:, -width:]
+        mask = loss_mask(inputs)[rows]
+        options = {**loss_options(trainer, inputs, rows), **logit_transform(core.config.get_text_config())}
         try:
             from trl.trainer.utils import maybe_gather_lm_head_ctx  # ZeRO-3: gather the head once
         except ImportError:  # pragma: no cover - older TRL
             gather = nullcontext()
         else:
             gather = maybe_gather_lm_head_ctx(head.weight, head.bias)
+        entropies = None
         with gather:
+            quantile = getattr(trainer, "top_entropy_quantile", 1.0)
+            if quantile < 1.0:  # TRL's mask from these entropies, as TRL would from its own
+                entropies = _token_stats(trainer, hidden, head, labels, mask, options)
+                entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - quantile).to(hidden.dtype)
+                options["policy_token_mask"] = entropy_mask
+                if "entropy_coef" in options:  # TRL's bonus: a mean over the masked tokens only
+                    options["entropy_token_mask"] = entropy_mask
+                    options["entropy_normalizer"] = (
+                        (mask * entropy_mask).sum().clamp(min=1.0) * trainer.current_gradient_accumulation_steps
+                    )
             loss, values = hook().grpo_lm_head_loss(
-                hidden=hidden,
-                weight=head.weight,
-                labels=bound["input_ids"][rows][:, -width:],
-                advantages=inputs["advantages"][rows],
-                mask=loss_mask(inputs)[rows],
-                options={**options, "bias": head.bias},
+                hidden=hidden, weight=head.weight, labels=labels, advantages=inputs["advantages"][rows],
+                mask=mask, options={**options, "bias": head.bias},
             )
-        return loss, values["logps"], values.get("entropy")
+        return loss, values["logps"], values.get("entropy") if entropies is None else entropies, aux
 
     return tiled_rows
+
+
+def torch_cat(tensors: list) -> Any:
+    import torch
+
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer.compute_loss(model, inputs, ...)``."""
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-    if instance is None or not instance.model.training:
+    if instance is None or not instance.model.training or not decide(instance):
         return wrapped(*args, **kwargs)  # evaluation keeps TRL's loss (no backward there)
-    check_supported(instance)
-    if any(inputs.get(key) is not None for key in MULTIMODAL_KEYS):
-        raise IncompatibleOptionsError(
-            "tiled_loss=True does not support multimodal inputs yet; pass tiled_loss=False to grpo_patches.enable(...)"
-        )
     with loss_call(instance) as call:
         call.tiled = make_tiled_rows(inputs)
-        wrapped(*args, **kwargs)  # TRL's loss from detached values: metrics only
+        loss = wrapped(*args, **kwargs)  # TRL's value; its policy terms carry no gradient
         if call.tiled_loss is None:
             raise RuntimeError(
                 "grpo_patches: tiled_loss found no policy forward in GRPOTrainer._compute_loss "
                 "(TRL's internals moved?); pass tiled_loss=False"
             )
-        return call.tiled_loss
+    calls = metrics.add_count(instance, "tiled_loss_calls", 1, log=False)
+    api.note("trl", "tiled_loss", f"on: {int(calls)} loss calls computed tile by tile", owner=instance)
+    return loss + (call.tiled_loss - call.tiled_loss.detach())

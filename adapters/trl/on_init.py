@@ -1,0 +1,32 @@
+"""``GRPOTrainer.__init__``: decide, once per new trainer, which optimizations run for it.
+
+An incompatible setting or trainer class (``zero_advantage_filter=True`` with ``beta != 0``,
+``tiled_loss=True`` with a loss it cannot reproduce, e.g. GMPOTrainer's) is then an error when
+the trainer is built, before any generation; with ``"auto"`` the optimization is off for that
+trainer and ``status()`` says why, per trainer class, from the start. A trainer built before
+``grpo_patches.enable`` gets the same decisions at its first patched call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+
+from . import filter as zero_advantage_filter
+from . import recompute, tiled
+
+
+def check_on_init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``GRPOTrainer.__init__``."""
+    result = wrapped(*args, **kwargs)
+    options = api.active_options("trl")
+    if options is None:
+        return result
+    if options.recompute:
+        recompute.decide_for_trainer(instance)
+    if options.zero_advantage_filter is not False:
+        zero_advantage_filter.decide(instance)  # raises for True, notes "off: why" for "auto"
+    if options.tiled_loss:  # select() refused it outside the tiled record's range
+        tiled.decide(instance)
+    return result
