@@ -17,8 +17,10 @@ RSS, and the largest final-weight difference patched vs unpatched. Writes ``fram
 A framework's interpreter is ``--python NAME=PATH``, else ``$GRPO_BENCH_PYTHON_<NAME>``, else
 its newest compat venv (``compat/.nox/cpu-<name>-*``, made by ``bash scripts/run compat
 <name> --install-only``), else (TRL only) this interpreter. NeMo-RL runs from the checkouts
-in ``$NEMO_RL_SRC`` / ``$AUTOMODEL_SRC`` (see compat/sources.py). A framework that is not
-found becomes a "not run" row with the reason.
+in ``$NEMO_RL_SRC`` / ``$AUTOMODEL_SRC``: the tag ``--nemo-rl-tag`` (else ``$NEMO_RL_TAG``, else
+v0.6.0) is exported from them by compat/sources.py and put on its ``PYTHONPATH``; give the
+interpreter that tag needs (a v0.6.0 Python 3.11 venv, a v0.7.0 / main Python 3.13 one). A
+framework that is not found becomes a "not run" row with the reason.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def find_python(name: str, given: dict[str, str]) -> tuple[str | None, str]:
     for python, origin in candidates:
         try:
             probe = subprocess.run([python, "-c", f"import grpo_patches, {FRAMEWORKS[name]}"], capture_output=True,
-                                   text=True, env=_env(), cwd=HERE)
+                                   text=True, env=_env(name), cwd=HERE)
         except OSError as e:
             why = f"{python} ({origin}): {e.strerror}"
             continue
@@ -71,10 +73,30 @@ def find_python(name: str, given: dict[str, str]) -> tuple[str | None, str]:
     return None, why
 
 
-def _env() -> dict[str, str]:
+def _env(name: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("GRPO_PATCHES", "GRPO_PATCHES_OPTIONS")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    source = _source_path(name)
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join(source + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+NEMO_RL_TAG = os.environ.get("NEMO_RL_TAG", "v0.6.0")  # --nemo-rl-tag
+
+
+def _source_path(name: str | None) -> list[str]:
+    """``PYTHONPATH`` entries of a framework run from a source checkout (NeMo-RL: the tag's export)."""
+    if name != "nemo_rl" or not os.environ.get("NEMO_RL_SRC"):
+        return []
+    sys.path.insert(0, str(ROOT / "compat"))
+    import matrix
+    import sources
+
+    cell = next((c for c in matrix.load() if c.framework == name and c.version == NEMO_RL_TAG), None)
+    if cell is None:
+        raise SystemExit(f"--nemo-rl-tag {NEMO_RL_TAG}: not a NeMo-RL tag of compat/matrix.toml")
+    return [str(p) for p in sources.prepare_source(cell)]
 
 
 def _port() -> str:
@@ -85,7 +107,7 @@ def _port() -> str:
 
 def run_one(python: str, name: str, patched: bool, spec: dict, weights: Path, timeout: int) -> dict[str, Any]:
     args = [python, str(HERE / "_framework_worker.py"), name, str(int(patched)), json.dumps(spec), str(weights)]
-    env = {**_env(), "MASTER_PORT": _port(), "OMP_NUM_THREADS": str(spec["threads"])}
+    env = {**_env(name), "MASTER_PORT": _port(), "OMP_NUM_THREADS": str(spec["threads"])}
     try:
         proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=HERE, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -144,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller model, fewer steps, 1 round")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
+    p.add_argument("--nemo-rl-tag", default=NEMO_RL_TAG, help="NeMo-RL tag to export from $NEMO_RL_SRC")
     args = p.parse_args(argv)
+    globals()["NEMO_RL_TAG"] = args.nemo_rl_tag
     given = dict(item.split("=", 1) for item in args.python)
     spec = {**workload.SPEC, **(workload.QUICK if args.quick else {})}
     if args.steps:
