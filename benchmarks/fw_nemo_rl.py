@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class _Group:
     """A worker group of one: the real ``Policy`` methods call it, the real worker answers."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any) -> None:  # forwards: the model's, to show a skipped pass runs none
         self.worker, self.calls, self.forwards, self.logprob_forwards = worker, {}, [0], 0
         worker.model.register_forward_pre_hook(lambda *a: self.forwards.__setitem__(0, self.forwards[0] + 1))
 
@@ -181,10 +181,9 @@ def _rollouts(model: Any, tokenizer: Any, spec: dict[str, Any], step: int) -> tu
     responses = torch.nn.functional.pad(out[:, p:], (0, spec["completion_tokens"] - (out.size(1) - p)))
     ended = (responses == 1).int().cumsum(1)
     response_mask = (ended == 0) | ((ended == 1) & (responses == 1))
-    rows = len(responses)
-    width = p + spec["completion_tokens"]
-    input_ids, token_mask = torch.zeros(rows, width, dtype=torch.long), torch.zeros(rows, width)
-    lengths = torch.zeros(rows, dtype=torch.long)
+    rows, width = len(responses), p + spec["completion_tokens"]
+    input_ids, token_mask, lengths = torch.zeros(rows, width, dtype=torch.long), torch.zeros(rows, width), torch.zeros(
+        rows, dtype=torch.long)
     for i in range(rows):
         ids = torch.cat([prompt_ids[i][prompt_mask[i]], responses[i][response_mask[i]]])
         plen = int(prompt_mask[i].sum())
@@ -198,15 +197,16 @@ def _rollouts(model: Any, tokenizer: Any, spec: dict[str, Any], step: int) -> tu
 
 def _step(tag: str, policy: Any, loss_fn: Any, config: Any, data: Any, rewards: Any, prompt_ids: Any) -> Any:
     """``grpo_train``'s per-step calls from the log-prob pass to ``policy.train``, in its order."""
-    import importlib
-
     import torch
+    from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.advantage_estimator import GRPOAdvantageEstimator
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-    grpo = importlib.import_module("nemo_rl.algorithms.grpo")
-    old = tag in ("v0.5.0", "v0.6.0")
-    skip_prev = False if old else importlib.import_module("nemo_rl.algorithms.opd")._skip_prev_logprobs(config)
+    skip_prev = False  # v0.5 / v0.6 always call get_logprobs (the adapter answers it when patched)
+    if tag not in ("v0.5.0", "v0.6.0"):
+        from nemo_rl.algorithms import opd
+
+        skip_prev = opd._skip_prev_logprobs(config)  # read through the module, as grpo_train does
     skip_ref = bool(config["grpo"].get("skip_reference_policy_logprobs_calculation"))
     logprob_data = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "token_mask", "sample_mask")})
     data["prev_logprobs"] = (torch.zeros_like(data["generation_logprobs"]) if skip_prev
@@ -256,9 +256,8 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             start = time.perf_counter()
             result = _step(tag, policy, loss_fn, master_config, data, rewards, prompt_ids)
             steps.append({"generation": generation, "trainer_side": time.perf_counter() - start})
-            metrics = result["all_mb_metrics"]
             total += int(data["input_ids"].shape[0])
-            dropped += int(sum(float(v) for v in metrics.get("grpo_patches/rows_dropped", [0])))
+            dropped += int(sum(float(v) for v in result["all_mb_metrics"].get("grpo_patches/rows_dropped", [0])))
 
     kwargs = {"policy": policy, "loss_fn": loss_fn, "master_config": config}
     if patched:
