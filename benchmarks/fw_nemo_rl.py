@@ -77,16 +77,26 @@ def _caller_frame_fix() -> bool:
     original itself (``calls.arguments`` misses the bound method of the worker's decorated
     ``train``; ``wrapped.__module__`` in driver_setup / filter / tiled names caller_frame).
     Here the wrappers get the original again, as before (only warnings' frames differ)."""
-    from grpo_patches import patching
+    from grpo_patches.adapters.nemo_rl import calls
 
-    transparent = getattr(patching, "transparent", None)
-    seen: list = []
-    if transparent is not None:
-        transparent(lambda wrapped, *_: seen.append(wrapped))(_step, None, (), {})
-    if not seen or seen[0].__module__ == _step.__module__:
+    from grpo_patches import caller_frame, patching
+
+    def decorator(function: Any) -> Any:  # a (*args, **kwargs) one without functools.wraps, like NeMo-RL's nvtx
+        return lambda *a, **k: function(*a, **k)
+
+    class Probe:
+        @decorator
+        def method(self, data: Any) -> Any:
+            return data
+
+    if not hasattr(caller_frame, "OriginalCall"):
         return False
-    patching.transparent = lambda wrapper: wrapper
-    return True
+    try:
+        calls.arguments(caller_frame.OriginalCall(Probe().method, ("", 0, {})), (), {"data": 1})
+        return False  # the adapter reads the proxy right (fixed)
+    except TypeError:
+        patching.transparent = lambda wrapper: wrapper
+        return True
 
 
 def _no_pinned_memory() -> None:
