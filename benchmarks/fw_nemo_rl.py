@@ -1,4 +1,4 @@
-"""The cross-framework workload in NeMo-RL (v0.6.0; v0.7.0 / main), from a source checkout.
+"""The cross-framework workload in NeMo-RL (v0.6.0 and v0.7.0 run; main untried), from a source checkout.
 
 One process, no Ray. Real NeMo-RL code: the driver's ``Policy.get_logprobs``,
 ``Policy.get_reference_policy_logprobs`` and ``Policy.train`` (a ``Policy`` built without its
@@ -17,9 +17,12 @@ and ``tests/nemo_fake.master_config``); ``prepare_for_lp_inference`` / ``prepare
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 ``grpo.grpo_train`` around the emulated setup and loop (that is how the adapter knows it is
-in ``grpo_train``: ``state.ACTIVE_LOOP``). Generation is HF ``generate`` from the policy,
-timed apart; ``generation_logprobs`` are zeros (vLLM's; no gradient reads them here). Called
-by ``_framework_worker.py``; the source comes on ``PYTHONPATH`` (``frameworks.py``).
+in ``grpo_train``: ``state.ACTIVE_LOOP``; see ``_caller_frame_fix`` for a workaround applied
+only while a merge bug is present). Generation is HF ``generate`` from the policy, timed
+apart; ``generation_logprobs`` are zeros (vLLM's; no gradient reads them here). Reported
+besides the passes: ``logprob_pass_forwards``, the model forwards the log-prob passes ran (0
+when both are skipped). Called by ``_framework_worker.py``; the source comes on
+``PYTHONPATH`` (``frameworks.py --nemo-rl-tag``); v0.5.0 is "not run".
 """
 
 from __future__ import annotations
