@@ -62,6 +62,12 @@ class OriginalCall:
         return f"<original {self.__wrapped__!r}>"
 
 
+def unwrap(wrapped: Any) -> Any:
+    """The original behind an :class:`OriginalCall` (anything else as is): for wrappers that
+    inspect the original itself (``inspect.ismethod``, ``__self__``, ``__module__``)."""
+    return wrapped.__wrapped__ if isinstance(wrapped, OriginalCall) else wrapped
+
+
 def transparent(wrapper: Callable[[Callable[..., Any], Any, tuple, dict], Any]) -> Callable[..., Any]:
     """A wrapt wrapper that calls ``wrapper`` with the original as an :class:`OriginalCall`."""
 

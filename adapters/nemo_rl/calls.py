@@ -6,6 +6,8 @@ import inspect
 import types
 from typing import Any, Callable
 
+from grpo_patches.caller_frame import unwrap
+
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
@@ -29,6 +31,7 @@ def _undecorated(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def arguments(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults included (``self`` excluded for methods)."""
+    wrapped = unwrap(wrapped)  # the patching layer hands wrappers a call-site-preserving proxy
     if inspect.ismethod(wrapped):
         function = _undecorated(wrapped.__func__)
         bound = inspect.signature(function).bind(wrapped.__self__, *args, **kwargs)

@@ -17,6 +17,7 @@ import sys
 from typing import Any, Callable
 
 from grpo_patches import api
+from grpo_patches.caller_frame import unwrap
 from grpo_patches.errors import GrpoPatchesError, IncompatibleOptionsError, OptionError
 from grpo_patches.options import Options, parse_env_options
 from grpo_patches.startup_path import FRAMEWORKS_ENV, OPTIONS_ENV, STARTUP_DIR_ENV
@@ -101,7 +102,7 @@ def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         return wrapped(*args, **kwargs)
     config = arguments(wrapped, args, kwargs)["master_config"]
     check_worker_options(options)
-    probe = _probe_loss(config, sys.modules[wrapped.__module__])
+    probe = _probe_loss(config, sys.modules[unwrap(wrapped).__module__])
     if probe is not None:
         check_loss_options(options, probe)
     decision = reference.decide(config) if options.logprob_skip else None

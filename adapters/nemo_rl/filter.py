@@ -21,6 +21,7 @@ import sys
 from typing import Any, Callable
 
 from grpo_patches import api, savings
+from grpo_patches.caller_frame import unwrap
 
 from .calls import arguments
 from .filter_rows import plan
@@ -45,7 +46,7 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     train.tokens_dropped += own.tokens_dropped
     train.microbatches_dropped += own.microbatches_dropped
     microbatches = layout.microbatches + layout.metrics_only
-    data_module = sys.modules[wrapped.__module__]  # nemo_rl.models.automodel.data
+    data_module = sys.modules[unwrap(wrapped).__module__]  # nemo_rl.models.automodel.data
     iterator = data_module.make_processed_microbatch_iterator(iter(microbatches), call["tokenizer"], call["cfg"],
                                                               call["cp_size"])
     return iterator, len(microbatches)

@@ -33,7 +33,7 @@ WORKER_FILE = "dtensor_policy_worker_v2.py"
 
 def _train_frame(frame: FrameType | None) -> FrameType | None:
     """The v2 worker's ``train`` frame when it is ``frame`` (the wrapper's caller) or just above."""
-    for _ in range(2):  # wrapt's pure-Python fallback adds one frame between them
+    for _ in range(3):  # the patching layer's call-site trampoline and wrapt's pure-Python fallback add frames
         if frame is None:
             return None
         code = frame.f_code

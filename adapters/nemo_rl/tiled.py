@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from grpo_patches import api
+from grpo_patches.caller_frame import unwrap
 from grpo_patches.errors import IncompatibleOptionsError
 
 from .calls import arguments
@@ -118,7 +119,7 @@ def forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
         return wrapped(*args, **kwargs)
     call = arguments(wrapped, args, kwargs)
     post = call["post_processing_fn"]
-    if not isinstance(post, sys.modules[wrapped.__module__].LossPostProcessor):
+    if not isinstance(post, sys.modules[unwrap(wrapped).__module__].LossPostProcessor):
         return wrapped(*args, **kwargs)
     sampling = call.get("sampling_params")
     micro = TiledMicrobatch(data=call["processed_mb"].data_dict, loss_fn=post.loss_fn,
