@@ -13,8 +13,12 @@ def _pair(values: list[Any], fmt: str = "{}") -> str:
     return " → ".join(fmt.format(v) for v in values)
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}×"
+
+
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    head = ("| framework | trainer code | trainer side s/step off → on | ratio | generation s/step | "
+    head = ("| framework | trainer code | trainer side s/step off → on | ratio | CPU-s ratio | generation s/step | "
             "old-logprob passes | reference passes | rows dropped | peak RSS MB | max abs Δ final weights |")
     lines = [f"Measured {meta['date']}, {meta['rounds']} round(s), {meta['cpu_count']} CPU cores: {meta['workload']}.",
              f"Command: `{meta['command']}`.", "", head, "|" + "---|" * (head.count("|") - 1)]
@@ -25,7 +29,7 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             continue
         lines.append(
             f"| {name} {r['version']} | {r['line']} | {r['trainer_side_off_s']:.3f} → {r['trainer_side_on_s']:.3f} "
-            f"| **{r['ratio']:.2f}×** | {r['generation_s']:.3f} | {_pair(r['old_logprob_passes'])} "
+            f"| **{r['ratio']:.2f}×** | {_ratio(r.get('ratio_cpu'))} | {r['generation_s']:.3f} | {_pair(r['old_logprob_passes'])} "
             f"| {_pair(r['reference_passes'])} | {r['rows_dropped']} / {r['rows_total']} "
             f"| {_pair(r['peak_rss_mb'], '{:.0f}')} | {r['max_weight_diff']:.1e} |")
     return "\n".join(lines)

@@ -145,6 +145,8 @@ def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]
         "trainer_side_off_s": statistics.median(per_step(off, "trainer_side") for off, _, _ in ok),
         "trainer_side_on_s": statistics.median(per_step(on, "trainer_side") for _, on, _ in ok),
         "ratio": statistics.median(per_step(on, "trainer_side") / per_step(off, "trainer_side") for off, on, _ in ok),
+        "ratio_cpu": (statistics.median(per_step(on, "cpu_trainer_side") / per_step(off, "cpu_trainer_side")
+                                        for off, on, _ in ok) if "cpu_trainer_side" in off_last["steps"][0] else None),
         "generation_s": statistics.median(per_step(r, "generation") for pair in ok for r in pair[:2]),
         "old_logprob_passes": [off_last["old_logprob_passes"], on_last["old_logprob_passes"]],
         "reference_passes": [off_last["reference_passes"], on_last["reference_passes"]],

@@ -17,8 +17,7 @@ and ``tests/nemo_fake.master_config``); ``prepare_for_lp_inference`` / ``prepare
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 ``grpo.grpo_train`` around the emulated setup and loop (that is how the adapter knows it is
-in ``grpo_train``: ``state.ACTIVE_LOOP``; see ``_caller_frame_fix`` for a workaround applied
-only while a merge bug is present). Generation is HF ``generate`` from the policy, timed
+in ``grpo_train``: ``state.ACTIVE_LOOP``). Generation is HF ``generate`` from the policy, timed
 apart; ``generation_logprobs`` are zeros (vLLM's; no gradient reads them here). Reported
 besides the passes: ``logprob_pass_forwards``, the model forwards the log-prob passes ran (0
 when both are skipped). Called by ``_framework_worker.py``; the source comes on
@@ -72,34 +71,6 @@ def _imports() -> None:
             raise RuntimeError(reason)
 
         sys.modules["pytest"] = types.SimpleNamespace(skip=skip)
-
-
-def _caller_frame_fix() -> bool:
-    """Workaround, only while needed, of a merge bug (reported, not hidden): since ed3dbaa the
-    wrappers get an ``OriginalCall`` (``caller_frame``), which the NeMo-RL adapter reads as the
-    original itself (``calls.arguments`` misses the bound method of the worker's decorated
-    ``train``; ``wrapped.__module__`` in driver_setup / filter / tiled names caller_frame).
-    Here the wrappers get the original again, as before (only warnings' frames differ)."""
-    from grpo_patches.adapters.nemo_rl import calls
-
-    from grpo_patches import caller_frame, patching
-
-    def decorator(function: Any) -> Any:  # a (*args, **kwargs) one without functools.wraps, like NeMo-RL's nvtx
-        return lambda *a, **k: function(*a, **k)
-
-    class Probe:
-        @decorator
-        def method(self, data: Any) -> Any:
-            return data
-
-    if not hasattr(caller_frame, "OriginalCall"):
-        return False
-    try:
-        calls.arguments(caller_frame.OriginalCall(Probe().method, ("", 0, {})), (), {"data": 1})
-        return False  # the adapter reads the proxy right (fixed)
-    except TypeError:
-        patching.transparent = lambda wrapper: wrapper
-        return True
 
 
 def _no_pinned_memory() -> None:
@@ -252,7 +223,6 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     from grpo_patches import registry, tiny_model
     from tests.nemo_worker_harness import make_loss
 
-    fixed = _caller_frame_fix() if patched else False
     if patched:
         grpo_patches.enable("nemo_rl")  # the defaults
     config, policy = _setup(tag, spec, patched)
@@ -266,9 +236,10 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             start = time.perf_counter()
             data, rewards, prompt_ids = _rollouts(model, tokenizer, spec, step)
             generation = time.perf_counter() - start
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             result = _step(tag, policy, loss_fn, master_config, data, rewards, prompt_ids)
-            steps.append({"generation": generation, "trainer_side": time.perf_counter() - start})
+            steps.append({"generation": generation, "trainer_side": time.perf_counter() - start,
+                          "cpu_trainer_side": time.process_time() - cpu})
             total += int(data["input_ids"].shape[0])
             dropped += int(sum(float(v) for v in result["all_mb_metrics"].get("grpo_patches/rows_dropped", [0])))
 
@@ -284,4 +255,4 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     return {"version": str(registry.get("nemo_rl").installed_version()), "line": f"{tag} DTensorPolicyWorkerV2",
             "steps": steps, "old_logprob_passes": passes["get_logprobs"],
             "reference_passes": passes["get_reference_policy_logprobs"], "logprob_pass_forwards": group.logprob_forwards,
-            "rows_dropped": dropped, "rows_total": total, "caller_frame_workaround": fixed}
+            "rows_dropped": dropped, "rows_total": total}

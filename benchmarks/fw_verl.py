@@ -134,7 +134,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
         start = time.perf_counter()
         batch = _rollouts(model, tokenizer, spec, step)
         generation = time.perf_counter() - start
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         old, _ = trainer._compute_old_log_prob(batch)
         old.batch.pop("entropys", None)
         batch = batch.union(old)
@@ -143,7 +143,8 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
         batch = ray_trainer.compute_advantage(batch, adv_estimator="grpo", num_repeat=spec["generations"],
                                               norm_adv_by_std_in_grpo=True, config=trainer.config.algorithm)
         metrics = actor.update_policy(batch)
-        steps.append({"generation": generation, "trainer_side": time.perf_counter() - start})
+        steps.append({"generation": generation, "trainer_side": time.perf_counter() - start,
+                      "cpu_trainer_side": time.process_time() - cpu})  # CPU s: steadier on a shared host
         total += len(batch)
         dropped += int(sum(_as_list(metrics.get("grpo_patches/rows_dropped", 0))))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, weights)
