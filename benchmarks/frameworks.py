@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nemo-rl-tag", default=NEMO_RL_TAG, help="NeMo-RL tag to export from $NEMO_RL_SRC")
     args = p.parse_args(argv)
     globals()["NEMO_RL_TAG"] = args.nemo_rl_tag
-    given = dict(item.split("=", 1) for item in args.python)
+    given = {name: os.path.abspath(path) for name, path in (item.split("=", 1) for item in args.python)}
     spec = {**workload.SPEC, **(workload.QUICK if args.quick else {})}
     if args.steps:
         spec["steps"] = args.steps
