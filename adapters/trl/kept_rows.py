@@ -108,7 +108,8 @@ def relabel(trainer: Any, bucket: dict[str, list], before: Mapping[str, int],
             del bucket[name]
         value = kept_value(name) if name in FROM_FORWARD else None
         if value is not None:
-            bucket.setdefault(name + SUFFIX, []).append(value)
+            if not math.isnan(value):  # NaN: no kept row on any process in this call, nothing to log
+                bucket.setdefault(name + SUFFIX, []).append(value)
         else:
             api.note("trl", f"metric {name}", "not logged: it needs the dropped rows' forward; "
                      "grpo_patches.enable('trl', dropped_rows_metrics=True) logs it", owner=trainer)
