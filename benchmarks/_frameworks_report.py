@@ -67,6 +67,9 @@ def chart(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     ax = axes.flat[5]
     diffs = [max(r["max_weight_diff"], 1e-12) for r in ok]
     ax.bar(range(len(ok)), diffs, 0.4, color="#1f77b4")
+    for i, r in enumerate(ok):
+        ax.text(i, max(r["max_weight_diff"], 1e-12), "0 (bitwise)" if r["max_weight_diff"] == 0 else
+                f"{r['max_weight_diff']:.1e}", ha="center", va="bottom", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylim(1e-12, 1)
     ax.set_xticks(range(len(ok)), names, fontsize=8)
