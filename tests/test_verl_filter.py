@@ -17,6 +17,7 @@ import os
 import pytest
 
 from tests import verl_harness as h
+from tests.verl_harness import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -33,15 +34,6 @@ FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
 #: (dynamic micro-batches, mini-batches, zero-row layout): every pair of settings meets once per agg mode
 LAYOUTS = [(False, 1, "grouped"), (False, 2, "interleaved"), (True, 1, "interleaved"), (True, 2, "grouped")]
 KEPT = 8  # rows with a non-zero advantage per rank
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    torch.set_num_threads(2)
-    if LEGACY:
-        h.init_pg()
-    else:
-        h.engine_setup()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests import verl_harness as h
+from tests.verl_harness import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -26,15 +27,6 @@ LINE = h.line()
 LEGACY = LINE.startswith("legacy")
 V = Version(h.VERL)
 SKIP = {"zero_advantage_filter": False, "logprob_skip": True}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    torch.set_num_threads(2)
-    if LEGACY:
-        h.init_pg()
-    else:
-        h.engine_setup()
 
 
 def trainer_config(use_kl_loss=True, kl_loss_coef=0.0, use_kl_in_reward=False, kl_ctrl="fixed", kl_coef=0.0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests import verl_harness as h
+from tests.verl_harness import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -30,15 +31,6 @@ TILED = {"zero_advantage_filter": False, "logprob_skip": False, "tiled_loss": Tr
 #: (agg mode, dynamic micro-batches, mini-batches, packed layout): every pair of settings meets
 CASES = [("token-mean", False, 1, False), ("seq-mean-token-sum", True, 2, False),
          ("seq-mean-token-mean", False, 2, True), ("seq-mean-token-sum-norm", True, 1, True)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    torch.set_num_threads(2)
-    if LEGACY:
-        h.init_pg()
-    else:
-        h.engine_setup()
 
 
 @pytest.fixture

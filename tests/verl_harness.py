@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+import pytest
 import torch
 
 try:
@@ -37,6 +38,16 @@ def line() -> str | None:
     from packaging.version import Version
 
     return line_of(Version(VERL))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """Autouse in the modules that import it: the gloo group (legacy) or the engine's setup, once per module."""
+    torch.set_num_threads(2)
+    if line().startswith("legacy"):
+        init_pg()
+    else:
+        engine_setup()
 
 
 def free_port() -> int:

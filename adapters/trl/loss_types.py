@@ -44,9 +44,9 @@ def denominator(loss_type: str) -> str:
     return DENOMINATORS[loss_type]
 
 
-def gradient_terms(trainer: Any) -> list[GradientTerm]:
-    """The trainer's settings that decide whether zero-advantage rows have a gradient."""
-    terms = [
+def _kl_and_entropy_mask(trainer: Any) -> list[GradientTerm]:
+    """The terms every GRPOTrainer objective shares: the KL term and the high-entropy token mask."""
+    return [
         GradientTerm("beta", float(getattr(trainer, "beta", 0.0)), "a KL term"),
         GradientTerm(
             "top_entropy_quantile",
@@ -55,6 +55,13 @@ def gradient_terms(trainer: Any) -> list[GradientTerm]:
             why="the entropy quantile is taken over every row of the micro-batch, so dropping rows "
             "changes which tokens enter",
         ),
+    ]
+
+
+def gradient_terms(trainer: Any) -> list[GradientTerm]:
+    """The trainer's settings that decide whether zero-advantage rows have a gradient."""
+    terms = [
+        *_kl_and_entropy_mask(trainer),
         GradientTerm("entropy_coef", float(getattr(trainer, "entropy_coef", 0.0) or 0.0), "an entropy bonus"),
     ]
     if getattr(trainer, "use_adaptive_entropy", False):
@@ -67,16 +74,7 @@ def gradient_terms(trainer: Any) -> list[GradientTerm]:
 def gmpo_gradient_terms(trainer: Any) -> list[GradientTerm]:
     """GMPO's loss: ``-exp(mean clipped log-ratio) * A`` per row (+ a sequence KL): no entropy
     bonus, no router aux loss (it never asks for one)."""
-    return [
-        GradientTerm("beta", float(getattr(trainer, "beta", 0.0)), "a KL term"),
-        GradientTerm(
-            "top_entropy_quantile",
-            float(getattr(trainer, "top_entropy_quantile", 1.0)),
-            neutral=1.0,
-            why="the entropy quantile is taken over every row of the micro-batch, so dropping rows "
-            "changes which tokens enter",
-        ),
-    ]
+    return _kl_and_entropy_mask(trainer)
 
 
 @dataclass(frozen=True)
