@@ -12,7 +12,7 @@ under data parallelism, every rank keeps (and forwards) the same number of rows.
 ``dropped_rows_metrics`` (one meaning in every adapter):
 
 * ``False`` (default): the dropped rows get no forward at all, in the loss call and in the
-  old-logprob pass (:mod:`.old_logprobs`). TRL's metrics that need their forward are logged
+  old-logprob pass (:mod:`.deferred_pass`). TRL's metrics that need their forward are logged
   over the kept rows under ``<name>/kept_rows``; the others keep their names and exact
   values (:mod:`.kept_rows`).
 * ``True``: the dropped rows get a no-grad forward (no activations kept, no backward), so

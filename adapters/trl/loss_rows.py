@@ -17,7 +17,7 @@ trainer for the duration of that call; the wrapper here answers that one forward
   gradient-free) loss is replaced by the tiled one.
 
 Any other call (generation-time passes, no active :class:`LossCall`) goes straight through,
-except the old-logprob pass the filter defers to the kept rows (:mod:`.old_logprobs`).
+except the old-logprob pass the filter defers to the kept rows (:mod:`.deferred_pass`).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
 
         call = active_call(instance) if instance is not None else None
         if call is None and instance is not None and state.of(instance).deferred is not None:
-            from .old_logprobs import placeholder_for
+            from .deferred_pass import placeholder_for
 
             answer = placeholder_for(instance, _bind(wrapped, args, kwargs), arity)
             if answer is not None:

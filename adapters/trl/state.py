@@ -17,7 +17,7 @@ class TrainerState:
     :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
     :ivar objective: the trainer's loss (:class:`.loss_types.Objective`), once the filter decided.
     :ivar deferred: the old-logprob pass deferred to the kept rows during one rollout
-        (:mod:`.old_logprobs`).
+        (:mod:`.deferred_pass`).
     :ivar tiled_on: whether the tiled loss runs for this trainer (decided once).
     :ivar recompute_on: whether the exact recompute runs for this trainer (decided once).
     :ivar loss_call: what the loss wrappers ask of the policy forward inside one
