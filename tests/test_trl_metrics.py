@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_patches import savings
-from grpo_patches.adapters.trl import metrics, recompute
+from grpo_patches.adapters.trl import metrics
+from grpo_patches.adapters.trl import old_logprobs as recompute
 
 
 def fake_trainer(training=True):

@@ -3,7 +3,7 @@
 :data:`PATCHES` is the adapter's one patch table. Records on the same method are applied in
 table order (a later one wraps an earlier one):
 
-- ``training_step`` (option ``recompute``): counts the real accumulation window (:mod:`.recompute`).
+- ``training_step`` (option ``recompute``): counts the real accumulation window (:mod:`.old_logprobs`).
 - ``_generate_and_score_completions`` (always; each part checks its option): computes old
   log-probs exactly for the rollouts that need them (``recompute``) and reports the reference
   pass TRL skips with ``beta == 0`` (``logprob_skip``, :mod:`.logprob_passes`).
@@ -38,7 +38,7 @@ _HERE = "grpo_patches.adapters.trl"
 
 #: Every patch record of the TRL adapter (module, attribute, wrapper, versions, option).
 PATCHES = (
-    PatchTarget(MODULE, "GRPOTrainer.training_step", f"{_HERE}.recompute:track_window", option="recompute"),
+    PatchTarget(MODULE, "GRPOTrainer.training_step", f"{_HERE}.old_logprobs:track_window", option="recompute"),
     PatchTarget(MODULE, "GRPOTrainer._generate_and_score_completions", f"{_HERE}.generation:generation_wrapper"),
     PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_two",
                 versions="<1.7.0.dev0"),

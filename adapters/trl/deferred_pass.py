@@ -38,7 +38,7 @@ class Deferred:
 
 def _applies(trainer: Any) -> bool:
     from . import filter as zero_advantage_filter
-    from .recompute import importance_sampling_on
+    from .old_logprobs import importance_sampling_on
 
     options = api.active_options("trl")
     return (

@@ -15,7 +15,7 @@ from grpo_patches import api
 
 from . import deferred_pass
 from .logprob_passes import observe_logprob_passes
-from .recompute import decide_for_trainer, exact_recompute
+from .old_logprobs import decide_for_trainer, exact_recompute
 
 
 def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -4,7 +4,7 @@ TRL itself never builds a reference model nor runs the reference pass when ``bet
 and logs no KL metric then. This observer asks the ``grpo_skip_reference_pass`` hook about
 each rollout and checks that TRL did what it decided (a decision TRL cannot follow is noted
 in status, never forced). A pass TRL skips on its own is no saving of ours: it is noted per
-trainer class in ``status()``, never counted in the savings. The old-logprob pass is decided by :mod:`.recompute` (the ``grpo_recompute_old_logps``
+trainer class in ``status()``, never counted in the savings. The old-logprob pass is decided by :mod:`.old_logprobs` (the ``grpo_recompute_old_logps``
 hook); this observer only notes what ran.
 """
 

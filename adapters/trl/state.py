@@ -12,8 +12,8 @@ from grpo_patches import instance_state
 class TrainerState:
     """Per-trainer state (see :mod:`grpo_patches.instance_state`).
 
-    :ivar window: micro-steps done in the current accumulation window (:mod:`.recompute`).
-    :ivar last_decision: the recompute decision of the latest rollout (:mod:`.recompute`).
+    :ivar window: micro-steps done in the current accumulation window (:mod:`.old_logprobs`).
+    :ivar last_decision: the recompute decision of the latest rollout (:mod:`.old_logprobs`).
     :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
     :ivar objective: the trainer's loss (:class:`.loss_types.Objective`), once the filter decided.
     :ivar deferred: the old-logprob pass deferred to the kept rows during one rollout
