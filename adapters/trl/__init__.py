@@ -6,10 +6,10 @@ table order (a later one wraps an earlier one):
 - ``training_step`` (option ``recompute``): counts the real accumulation window (:mod:`.old_logprobs`).
 - ``_generate_and_score_completions`` (always; each part checks its option): computes old
   log-probs exactly for the rollouts that need them (``recompute``) and reports the reference
-  pass TRL skips with ``beta == 0`` (``logprob_skip``, :mod:`.logprob_passes`).
+  pass TRL skips with ``beta == 0`` (``logprob_skip``, :mod:`.reference`).
 - ``_get_per_token_logps_and_entropies`` (always; inert outside a loss call): answers the
   policy forward of one loss call for a row subset and/or through the tiled loss
-  (:mod:`.loss_rows`). It returns 2 values in TRL 0.20-1.6 and 3 (plus the MoE aux loss) from 1.7.
+  (:mod:`.policy_forward`). It returns 2 values in TRL 0.20-1.6 and 3 (plus the MoE aux loss) from 1.7.
 - ``_compute_loss`` (``zero_advantage_filter``): :mod:`.filter`; GMPOTrainer's own
   ``_compute_loss`` (``trl.experimental.gmpo``, TRL 1.7+) gets the same wrapper through its own
   record, applied when that module is imported.
@@ -40,9 +40,9 @@ _HERE = "grpo_patches.adapters.trl"
 PATCHES = (
     PatchTarget(MODULE, "GRPOTrainer.training_step", f"{_HERE}.old_logprobs:track_window", option="recompute"),
     PatchTarget(MODULE, "GRPOTrainer._generate_and_score_completions", f"{_HERE}.generation:generation_wrapper"),
-    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_two",
+    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.policy_forward:route_two",
                 versions="<1.7.0.dev0"),
-    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_three",
+    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.policy_forward:route_three",
                 versions=">=1.7.0.dev0"),
     PatchTarget(MODULE, "GRPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper",
                 option="zero_advantage_filter"),

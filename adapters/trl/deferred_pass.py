@@ -4,7 +4,7 @@ TRL computes a rollout's old log-probs (when it needs them) inside
 ``_generate_and_score_completions``, before it scores the rollout, so it cannot know which
 rows will have a zero advantage. With the filter on and ``dropped_rows_metrics=False`` the
 dropped rows' old log-probs are never read: their ratio is set to exactly 1 in the loss call
-(:mod:`.loss_rows`). So the pass is deferred: TRL's call gets a placeholder, and once the
+(:mod:`.policy_forward`). So the pass is deferred: TRL's call gets a placeholder, and once the
 method returns (advantages known) the pass runs on the rows the ``grpo_filter_zero_advantage``
 hook keeps for the whole rollout, with TRL's own arguments and the same weights (nothing
 trains in between). The placeholder's other rows stay 0 and are never read by the loss.
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 from grpo_patches import api
 
 from . import metrics, state
-from .loss_rows import is_multimodal, loss_mask, multimodal_rows_supported, rows_of
+from .policy_forward import is_multimodal, loss_mask, multimodal_rows_supported, rows_of
 
 
 @dataclass

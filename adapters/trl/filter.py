@@ -2,7 +2,7 @@
 
 Wraps ``GRPOTrainer._compute_loss`` (and ``GMPOTrainer._compute_loss``, its own record). For
 each training micro-step it asks the ``grpo_filter_zero_advantage`` hook which rows to keep
-and hands that plan to the policy forward (:mod:`.loss_rows`): kept rows run with gradients,
+and hands that plan to the policy forward (:mod:`.policy_forward`): kept rows run with gradients,
 and TRL's own loss code then runs on the whole ``[B, T]`` micro-batch, so every loss type
 keeps its normaliser without the adapter knowing it. The dropped rows' per-token losses are
 exactly 0 (their advantage is exactly 0 and their ratio finite) and carry no gradient. The
@@ -33,7 +33,7 @@ from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 
 from . import kept_rows, metrics, state
-from .loss_rows import is_multimodal, loss_call, loss_mask, multimodal_rows_supported
+from .policy_forward import is_multimodal, loss_call, loss_mask, multimodal_rows_supported
 from .loss_types import objective_of
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import deferred_pass
-from .logprob_passes import observe_logprob_passes
+from .reference import observe_logprob_passes
 from .old_logprobs import decide_for_trainer, exact_recompute
 
 

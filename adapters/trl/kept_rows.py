@@ -1,7 +1,7 @@
 """TRL's loss metrics when the dropped rows had no forward (``dropped_rows_metrics=False``).
 
 The filter hands TRL's ``_compute_loss`` the whole ``[B, T]`` micro-batch with the dropped
-rows' values filled in (:mod:`.loss_rows`). Every metric TRL logs from it falls in one class:
+rows' values filled in (:mod:`.policy_forward`). Every metric TRL logs from it falls in one class:
 
 * :data:`EXACT`: the dropped rows provably do not change it. TRL's clip fractions count a
   token only when its advantage has the clipped side's sign (``advantages < 0`` for the low

@@ -21,7 +21,7 @@ class TrainerState:
     :ivar tiled_on: whether the tiled loss runs for this trainer (decided once).
     :ivar recompute_on: whether the exact recompute runs for this trainer (decided once).
     :ivar loss_call: what the loss wrappers ask of the policy forward inside one
-        ``_compute_loss`` call (:mod:`.loss_rows`).
+        ``_compute_loss`` call (:mod:`.policy_forward`).
     :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
     """
 

@@ -2,9 +2,9 @@
 
 Wraps ``GRPOTrainer.compute_loss``. TRL's ``_compute_loss`` still runs, so every metric it
 logs (entropy, clip ratios, KL, cispo / vespo metrics, policy loss, aux loss) and the loss
-value are TRL's own; only its policy forward is answered differently (:mod:`.loss_rows`):
+value are TRL's own; only its policy forward is answered differently (:mod:`.policy_forward`):
 TRL's log-prob method runs with a stand-in model that stops at the backbone's last hidden
-state (:class:`~.stand_ins.LastHidden`; through the wrapped model, so DDP / FSDP hooks fire,
+state (:class:`~.row_subsets.LastHidden`; through the wrapped model, so DDP / FSDP hooks fire,
 multimodal inputs cut by TRL, the MoE aux loss from the model itself). The hidden states and
 the lm-head weight go to the ``grpo_lm_head_loss`` hook, which returns the policy loss with
 TRL's normalisation and the per-token log-probs / entropies. TRL gets those detached; the
@@ -31,7 +31,7 @@ from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError
 
 from . import metrics, overrides, state
-from .loss_rows import loss_call, loss_mask
+from .policy_forward import loss_call, loss_mask
 from .loss_types import denominator
 
 
@@ -185,12 +185,12 @@ def _token_stats(trainer: Any, hidden: Any, head: Any, labels: Any, mask: Any, o
 
 
 def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[..., tuple]:
-    """The :class:`~.loss_rows.LossCall` ``tiled`` callback for one micro-batch's ``inputs``."""
+    """The :class:`~.policy_forward.LossCall` ``tiled`` callback for one micro-batch's ``inputs``."""
 
     def tiled_rows(trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any], rows: Any) -> tuple:
         from grpo_patches.plugins import hook
 
-        from .stand_ins import LastHidden
+        from .row_subsets import LastHidden
 
         core, backbone = backbone_of(trainer, trainer.model)
         stand_in = LastHidden(arguments["model"], backbone)

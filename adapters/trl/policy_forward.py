@@ -31,7 +31,7 @@ from . import state
 #: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
 ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 #: Multimodal arguments, indexed per image / tile (not per row): a row subset takes its rows'
-#: model inputs as TRL cuts them (:mod:`.stand_ins`).
+#: model inputs as TRL cuts them (:mod:`.row_subsets`).
 MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -122,7 +122,7 @@ def is_multimodal(arguments: Mapping[str, Any]) -> bool:
 
 def multimodal_rows_supported() -> bool:
     """Row subsets of multimodal micro-batches need TRL's fused log-prob path (TRL >= 1.15),
-    whose model call a :class:`~.stand_ins.RowRecorder` can answer."""
+    whose model call a :class:`~.row_subsets.RowRecorder` can answer."""
     from importlib.metadata import version
 
     from packaging.version import Version
@@ -142,7 +142,7 @@ def rows_of(bound: Mapping[str, Any], rows: Any, method: Callable[..., Any] | No
         if out.get(name) is not None:
             out[name] = out[name].index_select(0, rows)
     if is_multimodal(bound):
-        from .stand_ins import WithRowInputs, per_row_inputs
+        from .row_subsets import WithRowInputs, per_row_inputs
 
         if row_inputs is None:
             row_inputs = per_row_inputs(method, bound)
@@ -173,7 +173,7 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
     def per_token_logps_and_entropies(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         import torch
 
-        from .stand_ins import per_row_inputs
+        from .row_subsets import per_row_inputs
 
         call = active_call(instance) if instance is not None else None
         if call is None and instance is not None and state.of(instance).deferred is not None:
