@@ -35,8 +35,8 @@ def refuse_or_note(framework: str, option: str, reasons: str | Sequence[str], ow
     text = reasons if isinstance(reasons, str) else "; ".join(reasons)
     if api.strict(framework, option):
         raise IncompatibleOptionsError(
-            f"{option}=True: {text}. Change that, or pass {option}='auto' (it then switches itself off and "
-            f"grpo_patches.status() says why) or {option}=False to grpo_patches.enable({framework!r}, ...)"
+            f"{option}=True: {text}. To train without it, pass {option}='auto' (off, with the reason in "
+            f"grpo_patches.status()) or {option}=False to grpo_patches.enable({framework!r}, ...)"
         )
     api.note(framework, option, f"off: {text}", owner=owner)
     return False
