@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("trl")
 
-from grpo_patches.adapters.trl.policy_forward import multimodal_rows_supported, rows_of  # noqa: E402
+from grpo_patches.adapters.trl.row_subsets import rows_of  # noqa: E402
+from grpo_patches.adapters.trl.version import multimodal_rows_supported  # noqa: E402
 
 if not multimodal_rows_supported():  # pragma: no cover - compat runs against older TRL
     pytest.skip("row subsets of multimodal micro-batches need TRL >= 1.15", allow_module_level=True)
@@ -124,7 +125,7 @@ def test_vlm_hidden_states_give_trls_own_log_probs():
     through the tiled pass, gives the log-probs and entropies of TRL's fused head."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from grpo_patches.adapters.trl.row_subsets import LastHidden
+    from grpo_patches.adapters.trl.tiled import LastHidden
     from grpo_patches.tiled_loss import tiled_token_stats
 
     model = _tiny_qwen2_vl()

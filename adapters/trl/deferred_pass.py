@@ -18,14 +18,18 @@ multimodal rollouts on TRL < 1.15, or when the filter is off for the trainer.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from grpo_patches import api
 
-from . import metrics, state
-from .policy_forward import is_multimodal, loss_mask, multimodal_rows_supported, rows_of
+from . import GRPO_MODULE, metrics, state
+from . import filter as zero_advantage_filter
+from .loss_types import importance_sampling_on, loss_mask
+from .row_subsets import is_multimodal, rows_of
+from .version import multimodal_rows_supported
 
 
 @dataclass
@@ -35,11 +39,23 @@ class Deferred:
     arguments: dict[str, Any] = field(default_factory=dict)
     placeholder: Any = None
 
+    def answer(self, trainer: Any, arguments: Mapping[str, Any], arity: int) -> tuple | None:
+        """Asked by the routing wrapper (:mod:`.policy_forward`) for a log-prob call outside a
+        loss call: the placeholder answer when this is the deferred old-logprob pass, else
+        ``None`` (run it)."""
+        import torch
+
+        if (self.placeholder is not None or torch.is_grad_enabled()
+                or arguments.get("model") is not trainer.model
+                or (is_multimodal(arguments) and not multimodal_rows_supported())):
+            return None
+        ids = arguments["input_ids"]
+        self.arguments = dict(arguments)
+        self.placeholder = torch.zeros(ids.size(0), int(arguments["logits_to_keep"]), device=ids.device)
+        return (self.placeholder, None) if arity == 2 else (self.placeholder, None, None)
+
 
 def _applies(trainer: Any) -> bool:
-    from . import filter as zero_advantage_filter
-    from .old_logprobs import importance_sampling_on
-
     options = api.active_options("trl")
     return (
         options is not None
@@ -65,28 +81,8 @@ def deferring(trainer: Any) -> Iterator[Deferred | None]:
         own.deferred = None
 
 
-def placeholder_for(trainer: Any, arguments: Mapping[str, Any], arity: int) -> tuple | None:
-    """Called by the routing wrapper for a log-prob call outside a loss call: the placeholder
-    answer when this is the deferred old-logprob pass, else ``None`` (run it)."""
-    import torch
-
-    deferred = state.of(trainer).deferred
-    if (deferred is None or deferred.placeholder is not None or torch.is_grad_enabled()
-            or arguments.get("model") is not trainer.model
-            or (is_multimodal(arguments) and not multimodal_rows_supported())):
-        return None
-    ids = arguments["input_ids"]
-    deferred.arguments = dict(arguments)
-    deferred.placeholder = torch.zeros(ids.size(0), int(arguments["logits_to_keep"]), device=ids.device)
-    return (deferred.placeholder, None) if arity == 2 else (deferred.placeholder, None, None)
-
-
 def _no_checkpointing(trainer: Any) -> Any:
     """TRL's context that runs a no-grad forward without gradient checkpointing (if it has one)."""
-    import sys
-
-    from .loss_types import GRPO_MODULE
-
     disable: Callable[..., Any] | None = getattr(sys.modules.get(GRPO_MODULE), "disable_gradient_checkpointing", None)
     if disable is None:
         return nullcontext()

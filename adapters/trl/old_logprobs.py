@@ -1,4 +1,12 @@
-"""Exact old-logprob recompute for TRL's ``GRPOTrainer`` (TRL 0.20 - 1.16).
+"""The old-logprob pass of TRL's ``GRPOTrainer`` (TRL 0.20 - 1.16): computed exactly for the
+rollouts that need it.
+
+The one record on ``_generate_and_score_completions`` (:func:`generation_wrapper`) runs, per
+training rollout, the recompute decision below (option ``recompute``), the pass deferred to
+the rows the zero-advantage filter keeps (:mod:`.deferred_pass`: its placeholder and the pass
+on the kept rows) and the reference-pass observer (option ``logprob_skip``, :mod:`.reference`),
+so that the observer checks the output of the decided call and the options in force at call
+time are read once. Evaluation calls pass straight through: they never use old log-probs.
 
 TRL decides once for the whole run: ``_generate_and_score_completions`` computes old
 log-probs iff ``args.gradient_accumulation_steps % (steps_per_generation * num_iterations)
@@ -8,11 +16,8 @@ when the HF Trainer shortens a window (epoch end) while GA is a multiple of the 
 
 The patch decides per rollout with the ``grpo_recompute_old_logps`` hook, fed with:
 
-- ``window_steps_left``: micro-steps left in the HF Trainer's *real* accumulation window,
-  counted by wrapping ``training_step`` (the count restarts whenever ``state.global_step``
-  moves or a new ``TrainerState`` appears, i.e. each optimizer step, each ``train()`` call,
-  each resume) against ``current_gradient_accumulation_steps`` (the window's real length;
-  derived from the epoch length on transformers versions without it).
+- ``window_steps_left``: micro-steps left in the HF Trainer's *real* accumulation window
+  (:mod:`.accumulation_window`).
 - ``consumptions_left``: ``spg * num_iterations - _step % (spg * num_iterations)`` (TRL's
   ``_step`` at generation, the same in every supported version), capped at the micro-steps
   left in training.
@@ -37,17 +42,11 @@ from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
 from grpo_patches.plugins import hook
 from grpo_patches.recompute import cap_consumptions, explain, window_steps_left
 
-from . import metrics, overrides, state
+from . import deferred_pass, metrics, overrides, state
+from .accumulation_window import steps_in_epoch, window_index, window_length
+from .loss_types import importance_sampling_on
+from .reference import observe_reference_pass
 from .schedule import hf_micro_steps_left
-
-
-@dataclass
-class _Window:
-    """Micro-steps finished in the current accumulation window of one ``train()`` call."""
-
-    state: Any  # the TrainerState the count belongs to (a new train()/resume makes a new one)
-    global_step: int  # optimizer steps done when the window began
-    done: int
 
 
 @dataclass(frozen=True)
@@ -61,29 +60,6 @@ class RecomputeDecision:
     importance_sampling: bool  # TRL's vLLM correction: the hook's ``needed_elsewhere``
 
 
-def _window_index(trainer: Any) -> int:
-    """0-based index of the running micro-step within its accumulation window."""
-    window = state.of(trainer).window
-    if window is None or window.state is not trainer.state or window.global_step != trainer.state.global_step:
-        return 0
-    return window.done
-
-
-def track_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``training_step`` wrapper: count the micro-steps of the current accumulation window."""
-    index = _window_index(instance)
-    window = _Window(instance.state, instance.state.global_step, index)
-    state.of(instance).window = window
-    result = wrapped(*args, **kwargs)
-    window.done = index + 1
-    return result
-
-
-def importance_sampling_on(trainer: Any) -> bool:
-    """vLLM importance-sampling correction (absent before TRL 0.21) needs old log-probs always."""
-    return bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
-
-
 def generate_every(trainer: Any) -> int:
     """Micro-steps that consume one rollout: ``steps_per_generation * num_iterations``."""
     return int(trainer.args.steps_per_generation) * int(trainer.num_iterations)
@@ -94,33 +70,11 @@ def upstream_rule(trainer: Any) -> bool:
     return trainer.args.gradient_accumulation_steps % generate_every(trainer) != 0 or importance_sampling_on(trainer)
 
 
-def _steps_in_epoch(trainer: Any) -> int:
-    # the HF Trainer keeps the epoch's dataloader on its callback handler (len = micro-steps)
-    loader = getattr(trainer.callback_handler, "train_dataloader", None)
-    try:
-        return len(loader)
-    except TypeError:  # no length (iterable dataset): the Trainer then uses max_steps * GA
-        return trainer.state.max_steps * trainer.args.gradient_accumulation_steps
-
-
-def _window_length(trainer: Any, ga: int) -> int:
-    """The current window's real length: the Trainer's ``current_gradient_accumulation_steps``
-    (transformers >= 4.55); before that, derived the way the Trainer cuts an epoch (windows
-    of GA, the epoch's last one ``steps_in_epoch % GA`` long)."""
-    length = getattr(trainer, "current_gradient_accumulation_steps", None)
-    if length:
-        return int(length)
-    steps_in_epoch = _steps_in_epoch(trainer)
-    per_epoch = -(-steps_in_epoch // ga)
-    last_in_epoch = trainer.state.global_step % per_epoch == per_epoch - 1
-    return (steps_in_epoch % ga or ga) if last_in_epoch else ga
-
-
 def decide(trainer: Any) -> RecomputeDecision:
     """Ask the ``grpo_recompute_old_logps`` hook about the rollout generated now."""
     ga = int(trainer.args.gradient_accumulation_steps)
-    window_len = _window_length(trainer, ga)
-    index = _window_index(trainer)
+    window_len = window_length(trainer, ga)
+    index = window_index(trainer)
     sampling = importance_sampling_on(trainer)
     upstream = upstream_rule(trainer)
     # more micro-steps than the window's length: a window that did not end where told (e.g.
@@ -131,7 +85,7 @@ def decide(trainer: Any) -> RecomputeDecision:
     every = generate_every(trainer)
     per_rollout = every - trainer._step % every
     state = trainer.state
-    left_in_training = hf_micro_steps_left(state.global_step, state.max_steps, left_in_window, ga, _steps_in_epoch(trainer))
+    left_in_training = hf_micro_steps_left(state.global_step, state.max_steps, left_in_window, ga, steps_in_epoch(trainer))
     consumptions = cap_consumptions(per_rollout, max(left_in_training, 1))
     answer = hook().grpo_recompute_old_logps(
         framework="trl",
@@ -171,7 +125,7 @@ def decide_for_trainer(trainer: Any) -> bool:
 
 def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``_generate_and_score_completions`` (training mode) computing old log-probs iff
-    this rollout needs them. Called by :func:`.generation.generation_wrapper`."""
+    this rollout needs them. Called by :func:`generation_wrapper`."""
     decision = decide(instance)
     every = generate_every(instance)
     compute = decision.compute
@@ -220,3 +174,20 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
 def last_decision(trainer: Any) -> RecomputeDecision | None:
     """The decision taken for the trainer's latest rollout (``None`` before the first)."""
     return state.of(trainer).last_decision
+
+
+def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``_generate_and_score_completions``: the exact recompute and the
+    deferred pass, then the reference-pass report, for each training rollout."""
+    options = api.active_options("trl")
+    if options is None or not instance.model.training:
+        return wrapped(*args, **kwargs)
+    with deferred_pass.deferring(instance) as deferred:
+        if options.recompute and decide_for_trainer(instance):
+            output = exact_recompute(wrapped, instance, args, kwargs)
+        else:
+            output = wrapped(*args, **kwargs)
+        deferred_pass.complete(instance, deferred, output)
+    if options.logprob_skip:
+        observe_reference_pass(instance, output)
+    return output

@@ -12,12 +12,12 @@ from grpo_patches import instance_state
 class TrainerState:
     """Per-trainer state (see :mod:`grpo_patches.instance_state`).
 
-    :ivar window: micro-steps done in the current accumulation window (:mod:`.old_logprobs`).
+    :ivar window: micro-steps done in the current accumulation window (:mod:`.accumulation_window`).
     :ivar last_decision: the recompute decision of the latest rollout (:mod:`.old_logprobs`).
     :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
     :ivar objective: the trainer's loss (:class:`.loss_types.Objective`), once the filter decided.
     :ivar deferred: the old-logprob pass deferred to the kept rows during one rollout
-        (:mod:`.deferred_pass`).
+        (:class:`.deferred_pass.Deferred`: it answers TRL's log-prob call with a placeholder).
     :ivar tiled_on: whether the tiled loss runs for this trainer (decided once).
     :ivar recompute_on: whether the exact recompute runs for this trainer (decided once).
     :ivar loss_call: what the loss wrappers ask of the policy forward inside one
