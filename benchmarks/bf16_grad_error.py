@@ -35,7 +35,7 @@ from grpo_patches.tiled_loss.options import resolve_options
 
 DEFAULT_SIZES = ("512,256,8192", "1024,512,16384", "2048,1024,32000")
 ROWS = 8
-OPTIONS = dict(loss_type="dapo", temperature=0.9)
+OPTIONS = dict(objective="clip", aggregation="token-mean", temperature=0.9)  # TRL's default loss, dapo
 
 
 def make_inputs(n: int, h: int, v: int, seed: int) -> dict:

@@ -317,7 +317,7 @@ def status() -> dict[str, dict[str, Any]]:
                 by_class={name: dict(notes) for name, notes in state.by_class.items()},
                 targets=[p.target.name for p in state.order],
                 patches=_record_states(state),
-                not_applicable=[o for o in OPTIMIZATIONS if o not in adapter.optimizations],
+                not_applicable=[o for o in OPTIMIZATIONS if o in adapter.inapplicable(state.version)],
             )
         report[name] = entry
     return report

@@ -4,13 +4,15 @@
 file and line, its module (which ``warnings.filterwarnings(module=...)`` matches) and its
 once-registry. A wrapper that calls the original puts its own frame there, so the framework's
 warnings would name the adapter's file (seen: TRL's ``use_liger_kernel`` FutureWarning
-reported from ``adapters/trl/loss.py``) and escape the user's filters.
+reported from the adapter's file) and escape the user's filters.
 
-The patching layer therefore gives every wrapper an :class:`OriginalCall`: calling it runs the
-original through a one-line trampoline whose code carries the caller's file and line and whose
-globals are the caller's. Seen from the original, its caller is where the patched method was
-called. Exact for ``stacklevel=2`` (what TRL uses in the methods we wrap); a deeper level
-lands on the wrapper's frames. Stacked patches compose (each trampoline copies the location
+The patching layer therefore gives the wrapper of a record that asks for it
+(``PatchTarget(caller_frame=True)``: a method that warns with ``stacklevel=2``, e.g. TRL's
+``GRPOTrainer.__init__``, NeMo-RL's ``grpo_train``) an :class:`OriginalCall`: calling it runs
+the original through a one-line trampoline whose code carries the caller's file and line and
+whose globals are the caller's. Seen from the original, its caller is where the patched
+method was called. Exact for ``stacklevel=2``; a deeper level lands on the wrapper's frames.
+Other records' wrappers get the original itself (no trampoline on every call). Stacked patches compose (each trampoline copies the location
 it was called from). A traceback shows the trampoline as one more line of the caller.
 """
 

@@ -48,6 +48,6 @@ def grpo_lm_head_token_stats(hidden, weight, labels, mask, options: Mapping[str,
 
 @hookimpl(trylast=True)
 def grpo_report_savings(framework: str, savings: Mapping[str, float]) -> None:
-    from grpo_patches.savings import add_to_totals
+    from grpo_patches.savings_totals import add_to_totals
 
     add_to_totals(framework, savings)

@@ -118,7 +118,8 @@ def grpo_lm_head_loss(
 
     The default computes it tile by tile (:func:`grpo_patches.tiled_grpo_loss`) without
     materializing ``[tokens, vocab]`` logits. ``options`` are that function's keyword
-    arguments (``old_logps``, ``ref_logps``, ``bias``, ``temperature``, loss type, ...).
+    arguments (``old_logps``, ``ref_logps``, ``bias``, ``temperature``, ``objective``,
+    ``aggregation``, ...).
 
     :return: ``(loss, metrics)``, or ``None`` to defer.
     """

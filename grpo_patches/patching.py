@@ -35,6 +35,10 @@ class PatchTarget:
         one attribute with disjoint ranges express a method that changed between versions.
     :ivar option: the :class:`~grpo_patches.options.Options` field that switches this patch
         on (``None``: applied whenever the framework is enabled).
+    :ivar caller_frame: the wrapper calls the original as if from the patched method's caller
+        (:mod:`grpo_patches.caller_frame`), for a method that warns with ``stacklevel=2`` (its
+        warnings then keep the user's file, line and module filters). It costs a trampoline
+        per call, so only such records set it; every record on that attribute should.
     """
 
     module: str
@@ -42,6 +46,7 @@ class PatchTarget:
     wrapper: Wrapper | str
     versions: str | None = None
     option: str | None = None
+    caller_frame: bool = False
 
     @property
     def name(self) -> str:
@@ -107,8 +112,9 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     """Resolve every target (and its wrapper) first, then apply them all in order.
 
     The targets' modules must be imported. Two records on one attribute stack: the later
-    wraps the earlier. Each wrapper calls the original as if from the patched method's caller
-    (:mod:`grpo_patches.caller_frame`), so the framework's warnings keep the user's frame.
+    wraps the earlier. A record with ``caller_frame`` hands its wrapper the original as an
+    :class:`~grpo_patches.caller_frame.OriginalCall` (the framework's warnings keep the user's
+    frame); every other wrapper gets the original itself.
 
     :raises UnsupportedFrameworkError: naming framework, version, target and range for every
         target that cannot be found; nothing is applied then.
@@ -127,7 +133,7 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     applied = []
     for target, wrapper in zip(targets, wrappers):
         parent, attribute, original, owned = _resolve(target)  # again: stacked records see the earlier proxy
-        proxy = wrapt.FunctionWrapper(original, transparent(wrapper))
+        proxy = wrapt.FunctionWrapper(original, transparent(wrapper) if target.caller_frame else wrapper)
         setattr(parent, attribute, proxy)
         applied.append(AppliedPatch(target, parent, attribute, original, owned, proxy))
     return applied

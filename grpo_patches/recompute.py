@@ -11,10 +11,12 @@ window has micro-steps left. Framework-free: adapters count both numbers (the TR
 
 from __future__ import annotations
 
-__all__ = ["needs_old_logps", "explain", "window_steps_left", "cap_consumptions"]
+__all__ = ["needs_old_logps", "explain", "window_steps_left", "cap_consumptions", "require_count"]
 
 
-def _require_count(name: str, value: object, minimum: int = 1, hint: str = "") -> int:
+def require_count(name: str, value: object, minimum: int = 1, hint: str = "") -> int:
+    """``value`` when it is an int >= ``minimum`` (a count of steps), else a ``ValueError``
+    naming ``name`` (``hint`` is appended to the too-small message)."""
     # bool is an int subclass; True passed as a count is almost surely a mixed-up argument.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
@@ -36,8 +38,8 @@ def needs_old_logps(consumptions_left: int, window_steps_left: int, needed_elsew
     :raises ValueError: a count that is not an int >= 1, or a non-bool flag.
     """
     hint = " Count micro-steps including the current one."
-    _require_count("consumptions_left", consumptions_left, hint=hint)
-    _require_count("window_steps_left", window_steps_left, hint=hint)
+    require_count("consumptions_left", consumptions_left, hint=hint)
+    require_count("window_steps_left", window_steps_left, hint=hint)
     if not isinstance(needed_elsewhere, bool):
         raise ValueError(f"needed_elsewhere must be a bool, got {needed_elsewhere!r}.")
     # The optimizer steps after the window's last micro-step: stale iff a consumption follows it.
@@ -69,8 +71,8 @@ def window_steps_left(micro_index_in_window: int, window_length: int) -> int:
         ``current_gradient_accumulation_steps``: shorter than ``gradient_accumulation_steps``
         for the last window of an epoch).
     """
-    _require_count("window_length", window_length)
-    _require_count("micro_index_in_window", micro_index_in_window, minimum=0)
+    require_count("window_length", window_length)
+    require_count("micro_index_in_window", micro_index_in_window, minimum=0)
     if micro_index_in_window >= window_length:
         raise ValueError(
             f"micro_index_in_window={micro_index_in_window} must be < window_length={window_length}; "
@@ -86,6 +88,6 @@ def cap_consumptions(per_rollout: int, micro_steps_left_in_training: int) -> int
         (TRL: ``steps_per_generation * num_iterations`` minus the micro-steps already past).
     :param micro_steps_left_in_training: micro-steps left, counting the current one.
     """
-    _require_count("per_rollout", per_rollout)
-    _require_count("micro_steps_left_in_training", micro_steps_left_in_training)
+    require_count("per_rollout", per_rollout)
+    require_count("micro_steps_left_in_training", micro_steps_left_in_training)
     return min(per_rollout, micro_steps_left_in_training)

@@ -9,9 +9,9 @@ Looking an adapter up imports the adapter module only, never the framework.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from packaging.version import InvalidVersion, Version
 
@@ -39,8 +39,10 @@ class Adapter:
     :ivar supported: PEP 440 range the adapter supports (``">=0.20,<1.17"``), written once.
     :ivar patches: the patch table: every record, each narrowing ``supported`` with its own
         ``versions`` where the framework's internals differ between versions.
-    :ivar optimizations: the :class:`Options` fields this adapter implements; ``status()``
-        reports the others as not applicable to this framework.
+    :ivar not_applicable: optimizations (:data:`~grpo_patches.options.OPTIMIZATIONS`) that
+        have no effect of their own in this framework, each with what it does there instead.
+        They are accepted (one meaning per option: never silently ignored); ``status()`` lists
+        them under ``not_applicable`` and shows the text as the option's note.
     :ivar read_version: how to read the installed version when the distribution's metadata
         does not hold it (a framework run from a source checkout); returns ``None`` when the
         framework is not installed. Default: ``importlib.metadata.version(distribution)``.
@@ -53,10 +55,15 @@ class Adapter:
     distribution: str
     supported: str
     patches: Sequence[PatchTarget]
-    optimizations: tuple[str, ...] = OPTIMIZATIONS
+    not_applicable: Mapping[str, str] = field(default_factory=dict, hash=False)
     read_version: Callable[[], str | None] | None = None
     description: str = ""
     version_origin: Callable[[], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.not_applicable) - set(OPTIMIZATIONS))
+        if unknown:
+            raise ValueError(f"{self.name}: not_applicable names {unknown}; optimizations are {', '.join(OPTIMIZATIONS)}")
 
     def installed_version(self) -> Version | None:
         """The installed framework's version, ``None`` when it is not installed."""
@@ -78,30 +85,41 @@ class Adapter:
         """Every record that exists for ``version`` (whatever the options)."""
         return [t for t in self.patches if t.applies_to(version)]
 
+    def inapplicable(self, version: Version) -> dict[str, str]:
+        """Optimizations with no effect at ``version``, each with why: the declared
+        :attr:`not_applicable` ones, and those whose records all exist for other versions only
+        (e.g. a loss path checked on one release)."""
+        found = {option: f"not applicable: {why}" for option, why in self.not_applicable.items()}
+        here = {t.option for t in self.targets(version)}
+        for option in dict.fromkeys(t.option for t in self.patches if t.option):
+            if option not in here and option not in found:
+                ranges = " or ".join(sorted({t.versions or self.supported for t in self.patches if t.option == option}))
+                found[option] = f"{option} needs {self.name} {ranges}; {version} is installed"
+        return found
+
     def select(self, version: Version, options: Options) -> tuple[list[PatchTarget], dict[str, str]]:
         """The records to apply for ``options``, and notes on options that cannot run here.
 
-        An option that is on but has records only for other versions (e.g. a loss path
-        checked on one release) is an error when set to ``True``, and a note (the
-        optimization stays off) when it is on by default or ``"auto"``.
+        A declared :attr:`not_applicable` option is noted whatever its value. An option that
+        is on but has records only for other versions is an error when set to ``True``, and a
+        note (the optimization stays off) when it is on by default or ``"auto"``.
 
         :raises UnsupportedFrameworkError: naming the option, version and ranges.
         """
-        here = self.targets(version)
         notes: dict[str, str] = {}
-        for option in dict.fromkeys(t.option for t in self.patches if t.option):
+        for option, text in self.inapplicable(version).items():
             value = getattr(options, option)
-            if value in (False, None) or any(t.option == option for t in here):
-                continue
-            ranges = " or ".join(sorted({t.versions or self.supported for t in self.patches if t.option == option}))
-            text = f"{option} needs {self.name} {ranges}; {version} is installed"
-            if value is True and option not in _ON_BY_DEFAULT:
+            if option in self.not_applicable:
+                notes[option] = text
+            elif value is True and option not in _ON_BY_DEFAULT:
                 raise UnsupportedFrameworkError(
                     f"{self.name} {version}: {text}. Install such a version or pass {option}=False "
                     "to grpo_patches.enable(...)"
                 )
-            notes[option] = f"off: {text}"
-        chosen = [t for t in here if t.option is None or getattr(options, t.option) not in (False, None)]
+            elif value not in (False, None):
+                notes[option] = f"off: {text}"
+        chosen = [t for t in self.targets(version)
+                  if t.option is None or getattr(options, t.option) not in (False, None)]
         return chosen, notes
 
 

@@ -6,9 +6,10 @@ costs compute. Dropping it changes the result only through the aggregation's den
 the weights returned here undo that: each kept row's per-token loss is multiplied by its
 weight before the framework aggregates the kept rows, which reproduces the full micro-batch's
 loss and gradient. Any term that gives such rows a gradient (KL, entropy bonus, aux loss)
-makes the filter inexact: :func:`require_filter_compatible` refuses those settings. The
-filter is framework-free: each adapter says what its framework's loss divides by
-(:data:`DENOMINATORS`) and which of its settings give those rows a gradient.
+makes the filter inexact: :func:`filter_problems` names those settings (and
+:func:`require_filter_compatible` refuses them). The filter is framework-free: each adapter
+says what its framework's loss divides by (:data:`DENOMINATORS`) and which of its settings
+give those rows a gradient.
 
 Data parallel: every rank keeps the same number of rows (the maximum over the group), padding
 with its own shortest zero-advantage rows at weight 0; weights count those rows in the
@@ -30,6 +31,7 @@ __all__ = [
     "DENOMINATORS",
     "GradientTerm",
     "ZeroAdvantageFilter",
+    "filter_problems",
     "filter_zero_advantage",
     "require_filter_compatible",
 ]
@@ -197,15 +199,13 @@ class GradientTerm:
     why: str | None = None
 
 
-def require_filter_compatible(terms: Iterable[GradientTerm]) -> None:
-    """Raise :class:`IncompatibleOptionsError` unless every setting leaves the filter exact.
-
-    Every offending setting is reported at once, each with its value and the fix.
+def filter_problems(terms: Iterable[GradientTerm]) -> list[str]:
+    """Every setting that gives zero-advantage rows a gradient, each with its value and the
+    setting's fix (empty: the filter is exact). For :func:`grpo_patches.refuse_or_note.refuse_or_note`.
 
     :raises OptionError: a value that is not a number.
     """
     problems = []
-    fix = "or pass zero_advantage_filter=False (or 'auto') to grpo_patches.enable(...)"
     for t in terms:
         if isinstance(t.value, (bool, str, bytes)):
             raise OptionError(f"{t.setting} must be a number, got {t.value!r}")
@@ -219,7 +219,19 @@ def require_filter_compatible(terms: Iterable[GradientTerm]) -> None:
         shown = repr(number) if math.isfinite(number) else str(number)
         problems.append(
             f"the zero-advantage filter needs {t.setting} == {t.neutral:g} (got {shown}): {why}. "
-            f"Set {t.setting}={t.neutral:g}, {fix}"
+            f"Set {t.setting}={t.neutral:g}"
         )
+    return problems
+
+
+def require_filter_compatible(terms: Iterable[GradientTerm]) -> None:
+    """Raise :class:`IncompatibleOptionsError` unless every setting leaves the filter exact.
+
+    Every offending setting is reported at once, each with its value and the fix.
+
+    :raises OptionError: a value that is not a number.
+    """
+    fix = "or pass zero_advantage_filter=False (or 'auto') to grpo_patches.enable(...)"
+    problems = filter_problems(terms)
     if problems:
-        raise IncompatibleOptionsError("\n".join(problems))
+        raise IncompatibleOptionsError("\n".join(f"{problem}, {fix}" for problem in problems))

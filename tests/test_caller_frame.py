@@ -1,4 +1,8 @@
-"""Warnings raised inside a patched method name the caller's frame, as without the patch."""
+"""Warnings raised inside a patched method name the caller's frame, as without the patch.
+
+Only records that ask for it (``PatchTarget(caller_frame=True)``) pay for the trampoline; the
+others' wrappers get the original itself.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import warnings
 import pytest
 from packaging.version import Version
 
+from grpo_patches.caller_frame import OriginalCall
 from grpo_patches.patching import PatchTarget, apply_targets, restore_all
 
 MODULE = "grpo_patches_test_warning_fw"
@@ -41,8 +46,8 @@ def framework_module():
     del sys.modules[MODULE]
 
 
-def patch(module, *wrappers):
-    targets = [PatchTarget(MODULE, "Framework.method", w) for w in wrappers]
+def patch(module, *wrappers, caller_frame=True):
+    targets = [PatchTarget(MODULE, "Framework.method", w, caller_frame=caller_frame) for w in wrappers]
     return apply_targets("fw", Version("1.0"), ">=1", targets)
 
 
@@ -84,3 +89,42 @@ def test_wrappers_still_see_the_originals_signature(framework_module):
             assert framework_module.Framework().method(3, scale=5) == {"x": 3, "scale": 5}
     finally:
         restore_all(applied)
+
+
+def test_a_record_without_the_flag_calls_the_original_directly(framework_module):
+    seen = []
+
+    def record(wrapped, instance, args, kwargs):
+        seen.append(wrapped)
+        return wrapped(*args, **kwargs)
+
+    applied = patch(framework_module, record, caller_frame=False)
+    try:
+        obj = framework_module.Framework()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert obj.method(3) == 6
+    finally:
+        restore_all(applied)
+    assert not isinstance(seen[0], OriginalCall)  # no trampoline on this record's calls
+    assert seen[0] == obj.method and seen[0].__func__ is Framework.method
+
+
+def test_the_records_that_keep_the_callers_frame():
+    """Exactly the methods that warn with ``stacklevel=2`` toward the user's code: TRL's
+    ``GRPOTrainer.__init__`` (rollout_func, use_liger_kernel, ...), NeMo-RL's ``grpo_train`` /
+    ``async_grpo_train`` (top-k checkpoint metric); every record on such an attribute has it."""
+    from grpo_patches import registry
+
+    flagged = set()
+    for name in registry.BUILTIN:
+        by_attribute: dict[str, set[bool]] = {}
+        for target in registry.get(name).patches:
+            by_attribute.setdefault(target.name, set()).add(target.caller_frame)
+        assert all(len(flags) == 1 for flags in by_attribute.values()), name  # stacked records agree
+        flagged |= {attribute for attribute, flags in by_attribute.items() if True in flags}
+    assert flagged == {
+        "trl.trainer.grpo_trainer:GRPOTrainer.__init__",
+        "nemo_rl.algorithms.grpo:grpo_train",
+        "nemo_rl.algorithms.grpo:async_grpo_train",
+    }

@@ -190,8 +190,84 @@ def test_declared_but_unimplemented_framework_is_refused(monkeypatch):
     monkeypatch.setattr(registry.Adapter, "installed_version", lambda self: Version("0.7.1"))
     with pytest.raises(UnsupportedFrameworkError, match="planned 0.7.1: adapter not implemented yet"):
         grpo_patches.enable("planned")
-    assert module.ADAPTER.targets(Version("0.7.1")) == []
-    assert grpo_patches.status()["planned"]["reason"].startswith("adapter not implemented yet")
+    assert api.active_options("planned") is None  # refused before anything was enabled
+    entry = grpo_patches.status()["planned"]
+    assert entry["reason"].startswith("adapter not implemented yet")
+    assert entry["supported"] is False and entry["patched"] is False and entry["options"] is None
+
+
+def test_an_option_with_no_effect_is_accepted_and_status_says_what_it_does(monkeypatch):
+    """One meaning per option: an adapter declares what an option does in its framework when it
+    has no effect of its own (verl's and NeMo-RL's ``recompute``), and an option whose records
+    exist for other versions only does not apply to this one; ``status()`` lists both."""
+    import types
+
+    from packaging.version import Version
+
+    from grpo_patches import registry
+    from grpo_patches.patching import PatchTarget
+
+    framework = types.ModuleType("optfw")
+    framework.step = lambda x: x + 1
+    monkeypatch.setitem(sys.modules, "optfw", framework)
+
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    module = types.ModuleType("optfw_adapter")
+    module.ADAPTER = registry.Adapter(
+        name="optfw", distribution="optfw", supported=">=1,<3",
+        patches=(PatchTarget("optfw", "step", passthrough),
+                 PatchTarget("optfw", "step", passthrough, versions=">=2", option="tiled_loss")),
+        not_applicable={"recompute": "optfw computes no old log-probs; logprob_skip decides its passes"},
+    )
+    monkeypatch.setitem(sys.modules, "optfw_adapter", module)
+    monkeypatch.setitem(registry.BUILTIN, "optfw", "optfw_adapter")
+    monkeypatch.setattr(registry.Adapter, "installed_version",
+                        lambda self: Version("1.5") if self.name == "optfw" else None)
+    grpo_patches.enable("optfw", recompute=False, tiled_loss="auto")
+    try:
+        entry = grpo_patches.status()["optfw"]
+        assert entry["patched"] and entry["options"]["recompute"] is False
+        assert entry["not_applicable"] == ["recompute", "tiled_loss"]
+        assert entry["notes"] == {
+            "recompute": "not applicable: optfw computes no old log-probs; logprob_skip decides its passes",
+            "tiled_loss": "off: tiled_loss needs optfw >=2; 1.5 is installed",
+        }
+        with pytest.raises(UnsupportedFrameworkError, match="tiled_loss needs optfw >=2; 1.5 is installed"):
+            grpo_patches.enable("optfw", tiled_loss=True)
+    finally:
+        grpo_patches.disable("optfw")
+    with pytest.raises(ValueError, match=r"not_applicable names \['tile_size'\]"):
+        registry.Adapter(name="x", distribution="x", supported=">=1", patches=(), not_applicable={"tile_size": "?"})
+
+
+@pytest.mark.parametrize("how", ["True", "auto", "via all"])
+def test_refuse_or_note_is_one_policy_with_one_wording(fakefw, how):
+    """``option=True`` refuses with the one error; ``"auto"`` (or ``enable("all")``) notes why
+    the optimization is off, per class of the object it is about."""
+    from grpo_patches.errors import IncompatibleOptionsError
+    from grpo_patches.refuse_or_note import refuse_or_note
+
+    if how == "via all":
+        grpo_patches.enable("all", zero_advantage_filter=True)
+    else:
+        grpo_patches.enable("fakefw", zero_advantage_filter=True if how == "True" else "auto")
+    reasons = ["the zero-advantage filter needs beta == 0 (got 0.1): a KL term. Set beta=0", "an entropy bonus"]
+    owner = fakefw.Trainer()
+    if how == "True":
+        with pytest.raises(IncompatibleOptionsError) as info:
+            refuse_or_note("fakefw", "zero_advantage_filter", reasons, owner=owner)
+        assert str(info.value) == (
+            "zero_advantage_filter=True: the zero-advantage filter needs beta == 0 (got 0.1): a KL term. Set beta=0; "
+            "an entropy bonus. To train without it, pass zero_advantage_filter='auto' (off, with the reason in "
+            "grpo_patches.status()) or zero_advantage_filter=False to grpo_patches.enable('fakefw', ...)"
+        )
+        assert "zero_advantage_filter" not in grpo_patches.status()["fakefw"]["by_class"].get("fakefw.trainer.Trainer", {})
+        return
+    assert refuse_or_note("fakefw", "zero_advantage_filter", reasons, owner=owner) is False
+    notes = grpo_patches.status()["fakefw"]["by_class"]["fakefw.trainer.Trainer"]
+    assert notes["zero_advantage_filter"] == "off: " + "; ".join(reasons)
 
 
 def test_enable_all_only_touches_installed_supported_frameworks(fakefw):

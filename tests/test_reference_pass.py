@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -89,9 +90,15 @@ def test_numpy_like_scalars_are_accepted():
     assert decide({"beta": Scalar()}).skip
 
 
-def test_decision_is_frozen():
-    with pytest.raises(AttributeError):
-        decide().skip = False  # type: ignore[misc]
+def test_decision_is_a_value_nobody_can_change():
+    """Adapters keep the hook's decision (status notes, per-step checks): it compares by value
+    and a holder cannot change it in place."""
+    first, again = decide(), decide()
+    assert first == again and first is not again and hash(first) == hash(again)
+    assert decide({"beta": 0.1}) != first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.skip = False  # type: ignore[misc]
+    assert first.skip
 
 
 def test_through_the_plugin_hook():

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from grpo_patches.errors import OptionError
-from grpo_patches.tiled_loss import TRL_LOSS_TYPES, dense_grpo_loss, tiled_grpo_loss
-from tests.tiled_loss_helpers import assert_close, compare, make_case, max_rel, run
+from grpo_patches.adapters.trl.loss_types import LOSS_TYPES as TRL_LOSS_TYPES
+from grpo_patches.adapters.trl.loss_types import tiled_loss_preset
+from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
+from tests.tiled_loss_helpers import assert_close, compare, make_case, max_rel, run, trl_loss
 
 #: option variants applied to every TRL loss type (tile sizes that do not divide the 21 tokens)
 VARIANTS = {
@@ -29,12 +31,12 @@ VARIANTS = {
 
 
 def _loss_type_options(loss_type: str, variant: dict) -> dict:
-    options = dict(variant, loss_type=loss_type)
+    options = dict(variant)
     if loss_type == "cispo":
         options["epsilon_high"] = 1.1  # TRL caps the CISPO ratio at epsilon_high itself
     if loss_type == "dr_grpo":
         options["max_completion_length"] = 9
-    return options
+    return trl_loss(loss_type, **options)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_trl_loss_types_match_dense(case, loss_type, variant):
 @pytest.mark.parametrize("normalizer", [None, 7.0])
 def test_verl_and_nemo_aggregations_match_dense(case, aggregation, normalizer):
     """verl agg modes; NeMo token / sequence level = token-mean / seq-mean-token-mean with a global normalizer."""
-    compare(case, loss_type=None, aggregation=aggregation, normalizer=normalizer, old_logps=1, log_ratio_clamp=20.0,
+    compare(case, aggregation=aggregation, normalizer=normalizer, old_logps=1, log_ratio_clamp=20.0,
             ref_logps=1, beta=0.001, kl_estimator="k3", kl_clamp=10.0, delta=3.0, tile_size=4,
             entropy_coef=0.02, entropy_aggregation="token-mean")
 
@@ -67,7 +69,7 @@ def test_a_callable_kl_estimator_is_called_per_token(case):
         kl = torch.clamp(ref_logps - logps, min=-20, max=20)
         return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
 
-    options = dict(loss_type=None, old_logps=1, ref_logps=1, beta=0.05, tile_size=3)
+    options = dict(old_logps=1, ref_logps=1, beta=0.05, tile_size=3)
     tiled, _ = compare(case, kl_estimator=clamped_k3, **options)
     builtin = run(tiled_grpo_loss, case, kl_estimator="k3", kl_clamp=10.0, **options)
     assert torch.allclose(tiled[0], builtin[0], rtol=1e-6)  # no log-ratio beyond 20 here: the same value
@@ -78,7 +80,7 @@ def test_a_callable_kl_estimator_is_called_per_token(case):
 def test_per_token_advantages_and_float_mask():
     case = make_case(per_token_adv=True, seed=3)
     case["mask"] = case["mask"] * torch.rand(case["mask"].shape)  # NeMo-style token * sample weights
-    compare(case, loss_type="grpo", old_logps=1, tile_size=5)
+    compare(case, **trl_loss("grpo", old_logps=1, tile_size=5))
 
 
 @pytest.mark.parametrize(
@@ -89,8 +91,8 @@ def test_odd_shapes(shape):
     case = make_case(**shape, seed=5)
     case["mask"][0, 0] = 1.0  # at least one token
     for tile in (1, 3, None):
-        compare(case, loss_type="grpo", old_logps=1, ref_logps=1, beta=0.1, tile_size=tile, return_logps=True)
-        compare(case, loss_type="luspo", old_logps=1, importance_sampling_level="sequence", tile_size=tile)
+        compare(case, **trl_loss("grpo", old_logps=1, ref_logps=1, beta=0.1, tile_size=tile, return_logps=True))
+        compare(case, **trl_loss("luspo", old_logps=1, importance_sampling_level="sequence", tile_size=tile))
 
 
 def test_flat_inputs_and_no_bias():
@@ -101,12 +103,12 @@ def test_flat_inputs_and_no_bias():
     compare(flat, old_logps=1, tile_size=4, return_logps=True)
     with pytest.raises(OptionError, match="needs rows"):
         tiled_grpo_loss(flat["hidden"], flat["weight"], flat["labels"], flat["advantages"], flat["mask"],
-                        loss_type="grpo")
+                        **trl_loss("grpo"))
 
 
 def test_everything_masked_gives_zero_loss_and_zero_grads(case):
     empty = dict(case, mask=torch.zeros_like(case["mask"]))
-    tiled, dense = compare(empty, loss_type="dapo", old_logps=1, return_logps=True)
+    tiled, dense = compare(empty, **trl_loss("dapo", old_logps=1, return_logps=True))
     assert tiled[0] == 0 and all((g == 0).all() for g in tiled[2].values())
 
 
@@ -123,10 +125,10 @@ def test_gradcheck_float64():
     old = case["old_logps"].double()
     ref = case["ref_logps"].double()
     option_sets = [
-        dict(loss_type="grpo", old_logps=old, ref_logps=ref, beta=0.1, temperature=0.8, tile_size=2),
+        trl_loss("grpo", old_logps=old, ref_logps=ref, beta=0.1, temperature=0.8, tile_size=2),
         # (on-policy old_logps=None is a detach trick: its value has no slope, so it is not gradcheck-able)
-        dict(loss_type="dapo", old_logps=old, entropy_coef=0.05, tile_size=4),
-        dict(loss_type="sapo", old_logps=old, importance_sampling_level="sequence", tile_size=1),
+        trl_loss("dapo", old_logps=old, entropy_coef=0.05, tile_size=4),
+        trl_loss("sapo", old_logps=old, importance_sampling_level="sequence", tile_size=1),
     ]
     for opts in option_sets:
         def fn(h, w, b, opts=opts):
@@ -137,7 +139,7 @@ def test_gradcheck_float64():
         assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5), opts
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="dapo"), dict(loss_type="grpo", entropy_coef=0.1, temperature=0.5)])
+@pytest.mark.parametrize("options", [trl_loss("dapo"), trl_loss("grpo", entropy_coef=0.1, temperature=0.5)])
 def test_gradients_scale_with_incoming_gradient(case, options):
     """(loss * 3).backward() gives 3x every gradient, the weight's included."""
     _, _, once = run(tiled_grpo_loss, case, old_logps=1, tile_size=4, **options)
@@ -158,7 +160,7 @@ def test_tied_embeddings_accumulate_both_paths():
         emb = torch.nn.Embedding(V, H)
         proj = torch.nn.Linear(H, H)
         hidden = torch.tanh(proj(emb(ids)))
-        loss, _ = fn(hidden, emb.weight, labels, adv, mask, loss_type="grpo", tile_size=5)
+        loss, _ = fn(hidden, emb.weight, labels, adv, mask, **trl_loss("grpo", tile_size=5))
         loss.backward()
         grads.append((emb.weight.grad.clone(), proj.weight.grad.clone()))
     assert max_rel(grads[0][0], grads[1][0]) <= 1e-5
@@ -189,7 +191,7 @@ def test_second_backward_is_refused(case):
 def test_hook_default_calls_tiled_loss(case):
     from grpo_patches.plugins import hook
 
-    options = {"loss_type": "grpo", "old_logps": case["old_logps"], "bias": case["bias"], "tile_size": 4}
+    options = trl_loss("grpo", old_logps=case["old_logps"], bias=case["bias"], tile_size=4)
     loss, metrics = hook().grpo_lm_head_loss(
         hidden=case["hidden"], weight=case["weight"], labels=case["labels"], advantages=case["advantages"],
         mask=case["mask"], options=options,
@@ -215,3 +217,11 @@ def test_hook_default_calls_tiled_loss(case):
 def test_bad_options_name_the_option(case, options, match):
     with pytest.raises(OptionError, match=match):
         tiled_grpo_loss(case["hidden"], case["weight"], case["labels"], case["advantages"], case["mask"], **options)
+
+
+def test_trl_loss_types_are_the_trl_adapters_presets():
+    """TRL's ``loss_type`` names live in the TRL adapter, in the tiled loss's own vocabulary."""
+    assert tiled_loss_preset("grpo") == {"objective": "clip", "aggregation": "seq-mean-token-mean"}
+    assert tiled_loss_preset("cispo", epsilon_high=5.0)["cispo_max_ratio"] == 5.0  # TRL's cap is epsilon_high
+    with pytest.raises(OptionError, match="loss_type='ppo' is not supported; use one of 'grpo'"):
+        tiled_loss_preset("ppo")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from grpo_patches.tiled_loss import dense_grpo_loss, gemm, tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import make_case, max_rel, run
+from tests.tiled_loss_helpers import make_case, max_rel, run, trl_loss
 
-OPTIONS = dict(loss_type="dapo", temperature=0.9, tile_size=64)
+OPTIONS = trl_loss("dapo", temperature=0.9, tile_size=64)
 
 
 def _policy_case(seed, B=4, T=64, H=64, V=1024):
@@ -69,8 +69,8 @@ def test_fp32_out_gemms_are_closer_than_dense_bf16(seed, fp32_out_gemms):
 
 
 @pytest.mark.parametrize("options", [
-    dict(loss_type="grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.9, tile_size=7, return_entropy=True),
-    dict(loss_type="dapo", old_logps=1, entropy_coef=0.05, tile_size=5, logit_softcap=2.0, logit_scale=0.7),
+    trl_loss("grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.9, tile_size=7, return_entropy=True),
+    trl_loss("dapo", old_logps=1, entropy_coef=0.05, tile_size=5, logit_softcap=2.0, logit_scale=0.7),
 ])
 def test_fp32_out_gemms_match_dense(options, fp32_out_gemms):
     """The CUDA strategy's code path (fold, round, fp32-result GEMMs) gives the fp32 answer at bf16 tolerance."""
@@ -87,7 +87,7 @@ def test_fp32_out_gemms_match_dense(options, fp32_out_gemms):
 def test_an_enclosing_autocast_changes_nothing():
     """Frameworks call the loss from model code under autocast: the tile loop picks its own precision."""
     case = make_case(B=4, T=16, H=32, V=301, seed=8)  # a partly masked batch (index_copy path)
-    options = dict(loss_type="grpo", old_logps=1, entropy_coef=0.01, tile_size=7, return_logps=True)
+    options = trl_loss("grpo", old_logps=1, entropy_coef=0.01, tile_size=7, return_logps=True)
     plain = run(tiled_grpo_loss, case, **options)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = run(tiled_grpo_loss, case, **options)

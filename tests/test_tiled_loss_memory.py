@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
-from tests.tiled_loss_helpers import make_case, max_rel, run
+from tests.tiled_loss_helpers import make_case, max_rel, run, trl_loss
 
 #: bf16/fp16 inputs: the tiled GEMMs give fp32 results (gemm.py), so the tiled loss, log-probs and
 #: entropy are the fp32 answer for the rounded inputs (<= 2e-6) and its gradients that answer rounded
@@ -36,7 +36,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="dapo"), dict(loss_type="grpo", entropy_coef=0.1,
+@pytest.mark.parametrize("options", [trl_loss("dapo"), trl_loss("grpo", entropy_coef=0.1,
                                                                       return_entropy=True, return_logps=True)])
 def test_no_tokens_by_vocab_tensor_is_materialized(options):
     B, T, H, V, tile = 4, 32, 8, 1000, 8  # N*V = 128000; grad_weight V*H = 8000; one tile 8000
@@ -109,7 +109,7 @@ def test_zero3_partitioned_weight_is_gathered_for_the_forward_only(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_matches_dense_at_stated_tolerance(dtype):
     case = make_case(B=4, T=16, H=32, V=301, dtype=dtype, seed=8)
-    options = dict(loss_type="grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.9, tile_size=7,
+    options = trl_loss("grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.9, tile_size=7,
                    return_entropy=True, return_logps=True)
     tiled = run(tiled_grpo_loss, case, **options)
     dense = run(dense_grpo_loss, case, **options)

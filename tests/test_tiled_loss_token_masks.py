@@ -12,7 +12,7 @@ import torch
 
 from grpo_patches.errors import OptionError
 from grpo_patches.tiled_loss import AGGREGATIONS, dense_grpo_loss, tiled_grpo_loss
-from tests.tiled_loss_helpers import assert_close, make_case, max_rel, run
+from tests.tiled_loss_helpers import assert_close, make_case, max_rel, run, trl_loss
 
 DTYPE_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -34,7 +34,7 @@ def _run_masked(fn, case, **options):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_token_masks_match_dense_for_every_aggregation(aggregation, dtype):
     case = _masked_case(dtype)
-    options = dict(loss_type=None, aggregation=aggregation, old_logps=1, ref_logps=1, beta=0.05, entropy_coef=0.03,
+    options = dict(aggregation=aggregation, old_logps=1, ref_logps=1, beta=0.05, entropy_coef=0.03,
                    entropy_aggregation="token-mean", tile_size=4, return_logps=True, return_entropy=True)
     tiled = _run_masked(tiled_grpo_loss, case, **options)
     dense = _run_masked(dense_grpo_loss, case, **options)
@@ -46,9 +46,10 @@ def test_token_masks_match_dense_for_every_aggregation(aggregation, dtype):
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "luspo", "cispo", "vespo", "sapo"])
 def test_policy_token_mask_with_every_objective(loss_type):
     case = _masked_case(torch.float32, seed=3)
-    options = dict(loss_type=loss_type, old_logps=1, is_weights=1, tile_size=5)
+    options = dict(old_logps=1, is_weights=1, tile_size=5)
     if loss_type == "cispo":
         options["epsilon_high"] = 1.1
+    options = trl_loss(loss_type, **options)
     mask = case["policy_token_mask"]
     tiled = run(lambda *a, **kw: tiled_grpo_loss(*a, **kw, policy_token_mask=mask), case, **options)
     dense = run(lambda *a, **kw: dense_grpo_loss(*a, **kw, policy_token_mask=mask), case, **options)

@@ -12,7 +12,7 @@ import torch
 
 from grpo_patches.errors import OptionError
 from grpo_patches.tiled_loss import tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import compare, make_case, max_rel
+from tests.tiled_loss_helpers import compare, make_case, max_rel, trl_loss
 
 #: (logit_scale, logit_softcap): make_case's logits have std ~1.6, so a cap of 1.5 bends most of them
 TRANSFORMS = {
@@ -22,12 +22,12 @@ TRANSFORMS = {
 }
 #: fast path (no entropy term) and explicit path (entropy bonus), with / without temperature
 VARIANTS = {
-    "fast": dict(loss_type="dapo", old_logps=1, tile_size=4),
-    "temperature_kl": dict(loss_type="grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.7, tile_size=5,
+    "fast": trl_loss("dapo", old_logps=1, tile_size=4),
+    "temperature_kl": trl_loss("grpo", old_logps=1, ref_logps=1, beta=0.05, temperature=0.7, tile_size=5,
                            return_logps=True),
-    "entropy_bonus": dict(loss_type="bnpo", old_logps=1, entropy_coef=0.05, return_entropy=True, temperature=1.3,
+    "entropy_bonus": trl_loss("bnpo", old_logps=1, entropy_coef=0.05, return_entropy=True, temperature=1.3,
                           tile_size=3),
-    "sequence_level": dict(loss_type="luspo", old_logps=1, importance_sampling_level="sequence", tile_size=6),
+    "sequence_level": trl_loss("luspo", old_logps=1, importance_sampling_level="sequence", tile_size=6),
 }
 
 
@@ -55,8 +55,8 @@ def test_gradcheck_through_the_softcap():
     case["mask"][1, 1] = 1.0
     labels, adv, mask = case["labels"], case["advantages"], case["mask"]
     old = case["old_logps"].double()
-    for opts in (dict(loss_type="grpo", old_logps=old, temperature=0.8, tile_size=2),
-                 dict(loss_type="dapo", old_logps=old, entropy_coef=0.05, tile_size=4)):
+    for opts in (trl_loss("grpo", old_logps=old, temperature=0.8, tile_size=2),
+                 trl_loss("dapo", old_logps=old, entropy_coef=0.05, tile_size=4)):
         def fn(h, w, b, opts=opts):
             return tiled_grpo_loss(h, w, labels, adv, mask, bias=b, logit_scale=1.3, logit_softcap=0.9,
                                    retain_grads=True, **opts)[0]

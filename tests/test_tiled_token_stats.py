@@ -12,14 +12,14 @@ import torch
 
 from grpo_patches.errors import OptionError
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import make_case, max_rel, run
+from tests.tiled_loss_helpers import make_case, max_rel, run, trl_loss
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("transform", [dict(), dict(temperature=0.7, logit_scale=0.8, logit_softcap=1.5)])
 def test_token_stats_match_dense(dtype, transform):
     case = make_case(B=3, T=11, dtype=dtype, seed=9)
-    options = dict(loss_type="grpo", return_logps=True, return_entropy=True, **transform)
+    options = trl_loss("grpo", return_logps=True, return_entropy=True, **transform)
     _, dense, _ = run(dense_grpo_loss, case, **options)
     _, tiled, _ = run(tiled_grpo_loss, case, **options)
     for tile in (1, 4, None):

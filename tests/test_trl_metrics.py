@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_patches import savings
-from grpo_patches.adapters.trl import metrics, recompute
+from grpo_patches.adapters.trl import accumulation_window, metrics, old_logprobs
 
 
 def fake_trainer(training=True):
@@ -47,7 +47,7 @@ def test_trainer_without_metrics_dict_is_tolerated():
 
 def test_args_view_overrides_only_gradient_accumulation_steps():
     args = SimpleNamespace(gradient_accumulation_steps=3, steps_per_generation=2)
-    view = recompute._ArgsView(args, 5)
+    view = old_logprobs._ArgsView(args, 5)
     assert view.gradient_accumulation_steps == 5 and view.steps_per_generation == 2
     assert args.gradient_accumulation_steps == 3
     assert isinstance(view, SimpleNamespace)  # isinstance checks in TRL still pass
@@ -69,34 +69,34 @@ def stand_in(ga=3, spg=2, iters=1, step=0, window=3, global_step=0, max_steps=10
 def test_decision_counts_the_real_window(index, window, expected):
     t = stand_in(window=window)
     for _ in range(index):  # micro-steps already done in this window
-        recompute.track_window(lambda: None, t, (), {})
-    d = recompute.decide(t)
+        accumulation_window.track_window(lambda: None, t, (), {})
+    d = old_logprobs.decide(t)
     assert d.compute is expected and d.upstream is True and d.window_steps_left == window - index
 
 
 def test_window_count_restarts_after_an_optimizer_step_and_a_new_state():
     t = stand_in()
-    recompute.track_window(lambda: None, t, (), {})
-    assert recompute._window_index(t) == 1
+    accumulation_window.track_window(lambda: None, t, (), {})
+    assert accumulation_window.window_index(t) == 1
     t.state.global_step += 1
-    assert recompute._window_index(t) == 0
-    recompute.track_window(lambda: None, t, (), {})
+    assert accumulation_window.window_index(t) == 0
+    accumulation_window.track_window(lambda: None, t, (), {})
     t.state = SimpleNamespace(global_step=t.state.global_step, max_steps=10)  # train() again / resume
-    assert recompute._window_index(t) == 0
+    assert accumulation_window.window_index(t) == 0
 
 
 def test_consumptions_are_capped_at_the_end_of_training():
     t = stand_in(global_step=9, max_steps=10)  # the last window: nothing consumes after it
     for _ in range(2):
-        recompute.track_window(lambda: None, t, (), {})
-    d = recompute.decide(t)
+        accumulation_window.track_window(lambda: None, t, (), {})
+    d = old_logprobs.decide(t)
     assert (d.consumptions_left, d.window_steps_left, d.compute) == (1, 1, False)
 
 
 def test_importance_sampling_always_recomputes():
     t = stand_in()
     t.use_vllm, t.vllm_importance_sampling_correction = True, True
-    assert recompute.decide(t).compute is True
+    assert old_logprobs.decide(t).compute is True
 
 
 @pytest.mark.parametrize(("global_step", "expected"), [(0, 3), (1, 3), (2, 2), (3, 3), (5, 2)])
@@ -105,4 +105,4 @@ def test_window_length_without_current_gradient_accumulation_steps(global_step, 
     with GA=3 are cut into windows 3, 3, 2."""
     t = stand_in(global_step=global_step)
     del t.current_gradient_accumulation_steps
-    assert recompute._window_length(t, 3) == expected
+    assert accumulation_window.window_length(t, 3) == expected

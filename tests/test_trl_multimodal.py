@@ -1,7 +1,7 @@
 """Multimodal micro-batches: row subsets (zero-advantage filter) and the VLM's last hidden state (tiled loss).
 
 TRL's log-prob method cuts per-image / per-tile tensors by row itself; the adapter records each
-row's model inputs through it and assembles any row subset (:mod:`grpo_patches.adapters.trl.stand_ins`).
+row's model inputs through it and assembles any row subset (:mod:`grpo_patches.adapters.trl.row_subsets`).
 Checked against TRL's own method on a micro-batch built from those rows only, for every layout
 TRL 1.16 knows (Qwen-VL grids, per-image, per-row, InternVL and LFM2-VL tiles, image position
 ids), with and without chunking. The tiled loss's hidden states of a real (tiny, random)
@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("trl")
 
-from grpo_patches.adapters.trl.loss_rows import multimodal_rows_supported, rows_of  # noqa: E402
+from grpo_patches.adapters.trl.row_subsets import rows_of  # noqa: E402
+from grpo_patches.adapters.trl.version import multimodal_rows_supported  # noqa: E402
 
 if not multimodal_rows_supported():  # pragma: no cover - compat runs against older TRL
     pytest.skip("row subsets of multimodal micro-batches need TRL >= 1.15", allow_module_level=True)
@@ -124,7 +125,7 @@ def test_vlm_hidden_states_give_trls_own_log_probs():
     through the tiled pass, gives the log-probs and entropies of TRL's fused head."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from grpo_patches.adapters.trl.stand_ins import LastHidden
+    from grpo_patches.adapters.trl.tiled import LastHidden
     from grpo_patches.tiled_loss import tiled_token_stats
 
     model = _tiny_qwen2_vl()

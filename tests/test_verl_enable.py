@@ -32,7 +32,8 @@ def _importable(module: str) -> bool:
 def test_every_record_of_the_installed_line_applies_and_disable_restores():
     version = Version(h.VERL)
     targets = ADAPTER.targets(version)
-    assert targets and all(t.applies_to(version) for t in targets)
+    # every option verl implements has records for the installed line (none is silently a no-op)
+    assert {t.option for t in targets} >= {t.option for t in ADAPTER.patches} - {None}
     imported = {t.module for t in targets if _importable(t.module)}
     assert {"verl.workers.actor.dp_actor", "verl.workers.engine.fsdp.transformer_impl"} & imported
     originals = {}
@@ -63,5 +64,20 @@ def test_every_record_of_the_installed_line_applies_and_disable_restores():
 def test_unknown_option_values_are_clear_errors():
     from grpo_patches.errors import OptionError
 
-    with pytest.raises(OptionError, match="zero_advantage_filter"):
+    with pytest.raises(OptionError, match=r"option 'zero_advantage_filter' must be one of 'auto', True, False; got 'yes'"):
         grpo_patches.enable("verl", zero_advantage_filter="yes")
+    assert not grpo_patches.status()["verl"]["patched"]  # nothing was patched for a refused option
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_recompute_is_accepted_and_status_says_what_it_does_in_verl(recompute):
+    """One meaning per option: verl has no recompute of its own (logprob_skip skips the
+    old-logprob pass on on-policy updates); the option is accepted, never silently ignored."""
+    grpo_patches.enable("verl", recompute=recompute)
+    try:
+        status = grpo_patches.status()["verl"]
+        assert status["options"]["recompute"] is recompute
+        assert status["not_applicable"] == ["recompute"]
+        assert status["notes"]["recompute"].startswith("not applicable: verl computes old log-probs for every batch")
+    finally:
+        grpo_patches.disable("verl")

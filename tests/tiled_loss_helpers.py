@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from grpo_patches.adapters.trl.loss_types import tiled_loss_preset
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
 
 #: fp32 tolerance of the issue: max |a - b| / max |b| over each tensor
 FP32_RTOL = 1e-5
+
+
+def trl_loss(loss_type: str, **options):
+    """The tiled loss's options for one of TRL's ``loss_type`` names (the TRL adapter's preset),
+    with ``options`` on top: the TRL losses are the tests' shorthand for objective + aggregation."""
+    return {**tiled_loss_preset(loss_type, options.get("epsilon_high", 0.2)), **options}
 
 
 def make_case(B=3, T=7, H=16, V=37, dtype=torch.float32, seed=0, bias=True, per_token_adv=False):

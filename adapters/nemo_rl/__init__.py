@@ -59,8 +59,9 @@ PATCHES = (
     PatchTarget(POLICY, "Policy.__init__", f"{_H}.reference:policy_init_wrapper", versions=V05_V06, option=SKIP),
     PatchTarget(POLICY, "Policy.get_reference_policy_logprobs", f"{_H}.reference:reference_logprobs_wrapper",
                 versions=V05_V06, option=SKIP),
-    PatchTarget(GRPO, "grpo_train", f"{_H}.prev_logprobs:grpo_train_wrapper", option=SKIP),
-    PatchTarget(GRPO, "async_grpo_train", f"{_H}.prev_logprobs:async_train_wrapper", option=SKIP),
+    PatchTarget(GRPO, "grpo_train", f"{_H}.prev_logprobs:grpo_train_wrapper", option=SKIP, caller_frame=True),
+    PatchTarget(GRPO, "async_grpo_train", f"{_H}.prev_logprobs:async_train_wrapper", option=SKIP,
+                caller_frame=True),
     PatchTarget("nemo_rl.algorithms.opd", "_skip_prev_logprobs", f"{_H}.prev_logprobs:skip_predicate_wrapper",
                 versions=V07_UP, option=SKIP),
     PatchTarget(POLICY, "Policy.get_logprobs", f"{_H}.prev_logprobs:get_logprobs_wrapper", versions=V05_V06,
@@ -91,11 +92,16 @@ PATCHES = (
                 versions=V06_UP, option=FILTER),
 )
 
+#: options with no effect of their own in NeMo-RL, and what they do here instead (status() notes)
+NOT_APPLICABLE = {"recompute": "NeMo-RL computes prev_logprobs every step; logprob_skip skips that pass when "
+                               "the step is provably on-policy (the grpo_recompute_old_logps hook decides)"}
+
 ADAPTER = Adapter(
     name="nemo_rl",
     distribution="nemo-rl",
     supported=">=0.5.0rc0,<0.9",
     patches=PATCHES,
+    not_applicable=NOT_APPLICABLE,
     read_version=read_version,
     version_origin=origin,
 )

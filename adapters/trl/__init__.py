@@ -3,20 +3,24 @@
 :data:`PATCHES` is the adapter's one patch table. Records on the same method are applied in
 table order (a later one wraps an earlier one):
 
-- ``training_step`` (option ``recompute``): counts the real accumulation window (:mod:`.recompute`).
+- ``training_step`` (option ``recompute``): counts the real accumulation window
+  (:mod:`.accumulation_window`).
 - ``_generate_and_score_completions`` (always; each part checks its option): computes old
-  log-probs exactly for the rollouts that need them (``recompute``) and reports the reference
-  pass TRL skips with ``beta == 0`` (``logprob_skip``, :mod:`.logprob_passes`).
+  log-probs exactly for the rollouts that need them (``recompute``, :mod:`.old_logprobs`),
+  defers the pass to the rows the zero-advantage filter keeps (:mod:`.deferred_pass`) and
+  reports the reference pass TRL skips with ``beta == 0`` (``logprob_skip``, :mod:`.reference`).
 - ``_get_per_token_logps_and_entropies`` (always; inert outside a loss call): answers the
   policy forward of one loss call for a row subset and/or through the tiled loss
-  (:mod:`.loss_rows`). It returns 2 values in TRL 0.20-1.6 and 3 (plus the MoE aux loss) from 1.7.
+  (:mod:`.policy_forward`). It returns 2 values in TRL 0.20-1.6 and 3 (plus the MoE aux loss)
+  from 1.7.
 - ``_compute_loss`` (``zero_advantage_filter``): :mod:`.filter`; GMPOTrainer's own
   ``_compute_loss`` (``trl.experimental.gmpo``, TRL 1.7+) gets the same wrapper through its own
   record, applied when that module is imported.
 - ``compute_loss`` (``tiled_loss``; TRL 1.16, whose loss normalisers it reproduces): :mod:`.tiled`.
 - ``__init__`` (always): decides per new trainer which optimizations run for it
   (:mod:`.on_init`), so an incompatible setting or subclass is an error when the trainer is
-  built (option ``True``), or that optimization is off for it with a note (``"auto"``).
+  built (option ``True``), or that optimization is off for it with a note (``"auto"``). TRL
+  warns from ``__init__`` with ``stacklevel=2``: the record keeps the caller's frame.
 
 A subclass that overrides a method an optimization wraps or rests on turns that optimization
 off for its class (:mod:`.overrides`), unless the adapter knows the subclass's objective
@@ -32,25 +36,26 @@ from __future__ import annotations
 from grpo_patches.patching import PatchTarget
 from grpo_patches.registry import Adapter
 
-MODULE = "trl.trainer.grpo_trainer"
-GMPO = "trl.experimental.gmpo.gmpo_trainer"
+GRPO_MODULE = "trl.trainer.grpo_trainer"
+GMPO_MODULE = "trl.experimental.gmpo.gmpo_trainer"
 _HERE = "grpo_patches.adapters.trl"
 
 #: Every patch record of the TRL adapter (module, attribute, wrapper, versions, option).
 PATCHES = (
-    PatchTarget(MODULE, "GRPOTrainer.training_step", f"{_HERE}.recompute:track_window", option="recompute"),
-    PatchTarget(MODULE, "GRPOTrainer._generate_and_score_completions", f"{_HERE}.generation:generation_wrapper"),
-    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_two",
+    PatchTarget(GRPO_MODULE, "GRPOTrainer.training_step", f"{_HERE}.accumulation_window:track_window",
+                option="recompute"),
+    PatchTarget(GRPO_MODULE, "GRPOTrainer._generate_and_score_completions", f"{_HERE}.old_logprobs:generation_wrapper"),
+    PatchTarget(GRPO_MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.policy_forward:route_two",
                 versions="<1.7.0.dev0"),
-    PatchTarget(MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.loss_rows:route_three",
+    PatchTarget(GRPO_MODULE, "GRPOTrainer._get_per_token_logps_and_entropies", f"{_HERE}.policy_forward:route_three",
                 versions=">=1.7.0.dev0"),
-    PatchTarget(MODULE, "GRPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper",
+    PatchTarget(GRPO_MODULE, "GRPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper",
                 option="zero_advantage_filter"),
-    PatchTarget(GMPO, "GMPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper", versions=">=1.7",
+    PatchTarget(GMPO_MODULE, "GMPOTrainer._compute_loss", f"{_HERE}.filter:compute_loss_wrapper", versions=">=1.7",
                 option="zero_advantage_filter"),
-    PatchTarget(MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.tiled:compute_loss_wrapper", versions=">=1.16",
+    PatchTarget(GRPO_MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.tiled:compute_loss_wrapper", versions=">=1.16",
                 option="tiled_loss"),
-    PatchTarget(MODULE, "GRPOTrainer.__init__", f"{_HERE}.on_init:check_on_init"),
+    PatchTarget(GRPO_MODULE, "GRPOTrainer.__init__", f"{_HERE}.on_init:check_on_init", caller_frame=True),
 )
 
 ADAPTER = Adapter(name="trl", distribution="trl", supported=">=0.20,<1.17", patches=PATCHES)

@@ -2,7 +2,7 @@
 
 Wraps ``GRPOTrainer._compute_loss`` (and ``GMPOTrainer._compute_loss``, its own record). For
 each training micro-step it asks the ``grpo_filter_zero_advantage`` hook which rows to keep
-and hands that plan to the policy forward (:mod:`.loss_rows`): kept rows run with gradients,
+and hands that plan to the policy forward (:mod:`.policy_forward`): kept rows run with gradients,
 and TRL's own loss code then runs on the whole ``[B, T]`` micro-batch, so every loss type
 keeps its normaliser without the adapter knowing it. The dropped rows' per-token losses are
 exactly 0 (their advantage is exactly 0 and their ratio finite) and carry no gradient. The
@@ -12,9 +12,9 @@ under data parallelism, every rank keeps (and forwards) the same number of rows.
 ``dropped_rows_metrics`` (one meaning in every adapter):
 
 * ``False`` (default): the dropped rows get no forward at all, in the loss call and in the
-  old-logprob pass (:mod:`.old_logprobs`). TRL's metrics that need their forward are logged
+  old-logprob pass (:mod:`.deferred_pass`). TRL's metrics that need their forward are logged
   over the kept rows under ``<name>/kept_rows``; the others keep their names and exact
-  values (:mod:`.kept_rows`).
+  values (:mod:`.metrics`).
 * ``True``: the dropped rows get a no-grad forward (no activations kept, no backward), so
   every metric TRL logs is its own, exactly.
 
@@ -30,36 +30,34 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from grpo_patches import api
-from grpo_patches.errors import IncompatibleOptionsError, OptionError
+from grpo_patches.errors import OptionError
+from grpo_patches.refuse_or_note import refuse_or_note
+from grpo_patches.zero_advantage import filter_problems
 
-from . import kept_rows, metrics, state
-from .loss_rows import is_multimodal, loss_call, loss_mask, multimodal_rows_supported
-from .loss_types import objective_of
+from . import metrics, state
+from .loss_types import UnknownObjective, loss_mask, objective_of
+from .policy_forward import loss_call
+from .row_subsets import is_multimodal
+from .version import multimodal_rows_supported
 
 
 def decide(trainer: Any) -> bool:
     """Whether the filter runs for ``trainer`` (decided once, when it is built).
 
-    :raises IncompatibleOptionsError: ``zero_advantage_filter=True`` with a config or a
-        trainer class that gives zero-advantage rows a gradient (names the setting and the fix).
-    :raises OptionError: ``zero_advantage_filter=True`` with a ``loss_type`` it cannot handle.
+    :raises IncompatibleOptionsError: ``zero_advantage_filter=True`` with a config, a loss type
+        or a trainer class that gives zero-advantage rows a gradient or that the adapter does
+        not know (names the setting and the fix).
     """
     own = state.of(trainer)
     if own.filter_on is not None:
         return own.filter_on
-    from grpo_patches.zero_advantage import require_filter_compatible
-
     try:
         objective = objective_of(trainer)
-        require_filter_compatible(objective.gradient_terms(trainer))
-    except (IncompatibleOptionsError, OptionError) as exc:
-        if api.active_options("trl") is None or api.strict("trl", "zero_advantage_filter"):
-            raise type(exc)(
-                f"zero_advantage_filter=True: {exc}. Pass zero_advantage_filter='auto' or False to "
-                "grpo_patches.enable(...)"
-            ) from None
-        api.note("trl", "zero_advantage_filter", f"off: {exc}", owner=trainer)
-        own.filter_on = False
+        problems = filter_problems(objective.gradient_terms(trainer))
+    except (UnknownObjective, OptionError) as exc:
+        problems = [str(exc)]
+    if problems:
+        own.filter_on = refuse_or_note("trl", "zero_advantage_filter", problems, owner=trainer)
         return False
     own.objective = objective
     own.filter_on = True
@@ -101,8 +99,8 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
     with_metrics = api.active_options("trl").dropped_rows_metrics
     distributed = getattr(instance.accelerator, "num_processes", 1) > 1
     bucket = metrics.bucket(instance)
-    before = kept_rows.snapshot(bucket) if bucket is not None else {}
-    with loss_call(instance) as call, kept_rows.captured_gamma_weights(instance) as gamma:
+    before = metrics.snapshot(bucket) if bucket is not None else {}
+    with loss_call(instance) as call, metrics.captured_gamma_weights(instance) as gamma:
         call.keep, call.dropped_forward = plan.keep, with_metrics
         call.always_split = distributed and with_metrics
         call.fill_logps = inputs.get("old_per_token_logps")
@@ -115,12 +113,12 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
 
         def kept_value(name: str) -> float | None:
             if name == "entropy" and call.entropies is not None:
-                return kept_rows.entropy_over(instance, call.entropies, mask, real)
+                return metrics.entropy_over(instance, call.entropies, mask, real)
             if name == "vespo/phi_seq_mean" and "phi" in gamma:
-                return kept_rows.row_mean_over(instance, gamma["phi"], real)
+                return metrics.row_mean_over(instance, gamma["phi"], real)
             return None
 
-        kept_rows.relabel(instance, bucket, before, kept_value)
+        metrics.relabel(instance, bucket, before, kept_value)
     counts = dict(rows_dropped=plan.rows_dropped, tokens_dropped=plan.tokens_dropped)
     if not with_metrics:
         counts["forward_rows_skipped"] = int(mask.shape[0]) - call.forward_rows

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import filter as zero_advantage_filter
-from . import recompute, tiled
+from . import old_logprobs, tiled
 
 
 def check_on_init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -24,7 +24,7 @@ def check_on_init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     if options is None:
         return result
     if options.recompute:
-        recompute.decide_for_trainer(instance)
+        old_logprobs.decide_for_trainer(instance)
     if options.zero_advantage_filter is not False:
         zero_advantage_filter.decide(instance)  # raises for True, notes "off: why" for "auto"
     if options.tiled_loss:  # select() refused it outside the tiled record's range

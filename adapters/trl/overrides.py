@@ -13,7 +13,8 @@ from typing import Any
 
 from grpo_patches.patching import overriding_class
 
-from .loss_types import GRPO_MODULE, class_name
+from . import GRPO_MODULE
+from .loss_types import class_name
 
 #: option -> the GRPOTrainer methods it wraps or rests on.
 DEPENDS_ON: dict[str, tuple[str, ...]] = {

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_patches.recompute import _require_count, cap_consumptions, window_steps_left
+from grpo_patches.recompute import require_count, cap_consumptions, window_steps_left
 
 __all__ = [
     "MicroStep",
@@ -111,7 +111,7 @@ class Schedule:
 def trl_steps_per_epoch(prompt_chunks: int, steps_per_generation: int, num_iterations: int) -> int:
     """Micro-steps per epoch of stock TRL: the RepeatSampler repeats each chunk of
     ``generation_batch_size`` prompts ``spg * num_iterations`` times, one batch per micro-step."""
-    _require_count("prompt_chunks", prompt_chunks)
+    require_count("prompt_chunks", prompt_chunks)
     return prompt_chunks * steps_per_generation * num_iterations
 
 
@@ -163,21 +163,21 @@ def simulate(
         checkpoint saved after that many optimizer steps (``1 <= value < max_steps``).
     :param max_steps: optimizer steps to train (``TrainingArguments.max_steps``).
     """
-    ga = _require_count("gradient_accumulation_steps", gradient_accumulation_steps)
-    spg = _require_count("steps_per_generation", steps_per_generation)
-    ni = _require_count("num_iterations", num_iterations)
-    _require_count("steps_per_epoch", steps_per_epoch)
+    ga = require_count("gradient_accumulation_steps", gradient_accumulation_steps)
+    spg = require_count("steps_per_generation", steps_per_generation)
+    ni = require_count("num_iterations", num_iterations)
+    require_count("steps_per_epoch", steps_per_epoch)
     updates_per_epoch = -(-steps_per_epoch // ga)
     if max_steps is None:
-        max_steps = _require_count("num_epochs", num_epochs) * updates_per_epoch
+        max_steps = require_count("num_epochs", num_epochs) * updates_per_epoch
         epochs = num_epochs
     else:
-        epochs = -(-_require_count("max_steps", max_steps) // updates_per_epoch)
+        epochs = -(-require_count("max_steps", max_steps) // updates_per_epoch)
     last_len = steps_per_epoch % ga or ga
 
     global_step, first_epoch, skipped = 0, 0, 0
     if resume_at_optimizer_step is not None:
-        r = _require_count("resume_at_optimizer_step", resume_at_optimizer_step)
+        r = require_count("resume_at_optimizer_step", resume_at_optimizer_step)
         if r >= max_steps:
             raise ValueError(
                 f"resume_at_optimizer_step={r} must be < max_steps={max_steps}: nothing is left to train."

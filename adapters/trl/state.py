@@ -12,16 +12,16 @@ from grpo_patches import instance_state
 class TrainerState:
     """Per-trainer state (see :mod:`grpo_patches.instance_state`).
 
-    :ivar window: micro-steps done in the current accumulation window (:mod:`.recompute`).
-    :ivar last_decision: the recompute decision of the latest rollout (:mod:`.recompute`).
+    :ivar window: micro-steps done in the current accumulation window (:mod:`.accumulation_window`).
+    :ivar last_decision: the recompute decision of the latest rollout (:mod:`.old_logprobs`).
     :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
     :ivar objective: the trainer's loss (:class:`.loss_types.Objective`), once the filter decided.
     :ivar deferred: the old-logprob pass deferred to the kept rows during one rollout
-        (:mod:`.old_logprobs`).
+        (:class:`.deferred_pass.Deferred`: it answers TRL's log-prob call with a placeholder).
     :ivar tiled_on: whether the tiled loss runs for this trainer (decided once).
     :ivar recompute_on: whether the exact recompute runs for this trainer (decided once).
     :ivar loss_call: what the loss wrappers ask of the policy forward inside one
-        ``_compute_loss`` call (:mod:`.loss_rows`).
+        ``_compute_loss`` call (:mod:`.policy_forward`).
     :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
     """
 

@@ -106,4 +106,9 @@ PATCHES = (
                 versions=LEGACY, option="tiled_loss"),
 )
 
-ADAPTER = Adapter(name="verl", distribution="verl", supported=">=0.6.1,<0.10", patches=PATCHES)
+#: options with no effect of their own in verl, and what they do here instead (status() notes)
+NOT_APPLICABLE = {"recompute": "verl computes old log-probs for every batch; logprob_skip skips that pass when "
+                               "the update is provably on-policy (the grpo_recompute_old_logps hook decides)"}
+
+ADAPTER = Adapter(name="verl", distribution="verl", supported=">=0.6.1,<0.10", patches=PATCHES,
+                  not_applicable=NOT_APPLICABLE)

@@ -17,14 +17,13 @@ from grpo_patches.tiled_loss.dense import dense_grpo_loss
 from grpo_patches.tiled_loss.function import LoopResult, TiledGRPOLossFunction
 from grpo_patches.tiled_loss.inputs import flatten_inputs
 from grpo_patches.tiled_loss.metrics import build_metrics
-from grpo_patches.tiled_loss.options import AGGREGATIONS, OBJECTIVES, TRL_LOSS_TYPES, LossOptions, resolve_options
+from grpo_patches.tiled_loss.options import AGGREGATIONS, OBJECTIVES, LossOptions, resolve_options
 from grpo_patches.tiled_loss.token_stats import tiled_token_stats
 from grpo_patches.tiled_loss.zero3 import gathered_weight
 
 __all__ = [
     "AGGREGATIONS",
     "OBJECTIVES",
-    "TRL_LOSS_TYPES",
     "LossOptions",
     "dense_grpo_loss",
     "resolve_options",
@@ -80,10 +79,10 @@ def tiled_grpo_loss(
     :param entropy_token_mask: the same for the entropy-bonus term; its denominators come from
         ``mask`` too, so pass ``entropy_normalizer`` for TRL's ``sum(mask * entropy_mask)``.
     :param options: keyword options, see :class:`~grpo_patches.tiled_loss.options.LossOptions`:
-        ``loss_type`` (TRL preset, default ``"dapo"``; ``None`` for none), ``objective``
-        (clip/cispo/sapo/vespo), ``aggregation`` (token-mean, seq-mean-token-mean,
-        seq-mean-token-sum, seq-mean-token-sum-norm, token-sum), ``normalizer`` (external
-        denominator: token count for token-level, row count for row-level aggregations),
+        ``objective`` (clip/cispo/sapo/vespo; default clip), ``aggregation`` (token-mean
+        (default), seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm,
+        token-sum), ``normalizer`` (external denominator: token count for token-level, row
+        count for row-level aggregations),
         ``max_completion_length`` (seq-mean-token-sum-norm / dr_grpo; default T),
         ``epsilon_low``/``epsilon_high`` (0.2), ``delta`` (dual clip), ``cispo_max_ratio``,
         ``sapo_temperature_pos/neg``, ``vespo_k_pos/lambda_pos/k_neg/lambda_neg``,

@@ -1,8 +1,10 @@
 """Keyword options of the GRPO lm-head loss, validated once and shared by the tiled and dense paths.
 
 The loss is ``objective`` (how one token's loss depends on its log-prob) combined with
-``aggregation`` (how per-token losses become one number). TRL's ``loss_type`` names are
-presets of both; ``objective=`` / ``aggregation=`` given explicitly override the preset.
+``aggregation`` (how per-token losses become one number), in the core's own vocabulary; each
+adapter maps its framework's loss names onto them (TRL's ``loss_type`` names: the TRL
+adapter's ``loss_types.tiled_loss_preset``). The defaults, ``"clip"`` and ``"token-mean"``,
+are the PPO-clip objective over the micro-batch's tokens.
 """
 
 from __future__ import annotations
@@ -22,18 +24,6 @@ AGGREGATIONS = (
     "token-sum",  # plain masked sum (the caller divides)
 )
 ROW_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-#: TRL 1.16 ``loss_type`` -> (objective, aggregation), as in ``GRPOTrainer._compute_loss``.
-TRL_LOSS_TYPES: dict[str, tuple[str, str]] = {
-    "grpo": ("clip", "seq-mean-token-mean"),
-    "sapo": ("sapo", "seq-mean-token-mean"),
-    "bnpo": ("clip", "token-mean"),
-    "dr_grpo": ("clip", "seq-mean-token-sum-norm"),
-    "dapo": ("clip", "token-mean"),
-    "cispo": ("cispo", "token-mean"),
-    "vespo": ("vespo", "token-mean"),
-    "luspo": ("clip", "seq-mean-token-sum"),
-}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
 
@@ -45,7 +35,6 @@ DEFAULT_TILE_MEMORY_BYTES = 512 * 2**20
 class LossOptions:
     """Validated options; see :func:`grpo_patches.tiled_loss.tiled_grpo_loss` for each meaning."""
 
-    loss_type: str | None = "dapo"
     objective: str = "clip"
     aggregation: str = "token-mean"
     epsilon_low: float = 0.2
@@ -112,26 +101,24 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 def resolve_options(**kwargs: Any) -> LossOptions:
-    """Build :class:`LossOptions` from keyword arguments, applying the ``loss_type`` preset.
+    """Build :class:`LossOptions` from keyword arguments.
 
-    ``loss_type=None`` means "no preset": ``objective`` and ``aggregation`` default to
-    ``"clip"`` and ``"token-mean"``.
+    :raises OptionError: an unknown option or value, naming the valid ones.
     """
+    # TRL's loss_type presets live in the TRL adapter; None ("no preset") is still accepted
+    # from the adapters that pass it (verl, NeMo-RL)
+    loss_type = kwargs.pop("loss_type", None)
+    if loss_type is not None:
+        raise OptionError(
+            f"loss_type={loss_type!r} is not an option of the tiled loss: pass objective= and aggregation= "
+            "(TRL's loss_type names map onto them: grpo_patches.adapters.trl.loss_types.tiled_loss_preset)"
+        )
     known = {f.name for f in fields(LossOptions)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise OptionError(
             f"unknown tiled_grpo_loss option(s) {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
         )
-    loss_type = kwargs.get("loss_type", "dapo")
-    if loss_type is not None:
-        _choice("loss_type", loss_type, tuple(TRL_LOSS_TYPES))
-        objective, aggregation = TRL_LOSS_TYPES[loss_type]
-        kwargs.setdefault("objective", objective)
-        kwargs.setdefault("aggregation", aggregation)
-        if loss_type == "cispo":
-            # TRL caps the CISPO ratio at epsilon_high itself (not 1 + epsilon_high)
-            kwargs.setdefault("cispo_max_ratio", kwargs.get("epsilon_high", 0.2))
     if kwargs.get("epsilon_high") is None:
         kwargs["epsilon_high"] = kwargs.get("epsilon_low", 0.2)
     opts = LossOptions(**kwargs)

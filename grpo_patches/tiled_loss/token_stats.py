@@ -40,7 +40,7 @@ def tiled_token_stats(
         0 where masked.
     """
     opts = resolve_options(
-        loss_type=None, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
         tile_size=tile_size,
     )
     mask = check_head_inputs(hidden, weight, labels, mask, bias)

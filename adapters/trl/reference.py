@@ -1,11 +1,12 @@
-"""Log-prob passes in TRL's ``GRPOTrainer``: the reference pass, confirmed and reported.
+"""The reference pass in TRL's ``GRPOTrainer``: TRL skips it itself at ``beta == 0``.
 
 TRL itself never builds a reference model nor runs the reference pass when ``beta == 0``,
-and logs no KL metric then. This observer asks the ``grpo_skip_reference_pass`` hook about
-each rollout and checks that TRL did what it decided (a decision TRL cannot follow is noted
-in status, never forced). A pass TRL skips on its own is no saving of ours: it is noted per
-trainer class in ``status()``, never counted in the savings. The old-logprob pass is decided by :mod:`.recompute` (the ``grpo_recompute_old_logps``
-hook); this observer only notes what ran.
+and logs no KL metric then. So nothing is patched for it: this observer (option
+``logprob_skip``, called by :func:`.old_logprobs.generation_wrapper`) asks the
+``grpo_skip_reference_pass`` hook about each rollout and checks that TRL did what it decided
+(a decision TRL cannot follow is noted in status, never forced). A pass TRL skips on its own
+is no saving of ours: it is noted per trainer class in ``status()``, never counted in the
+savings.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from grpo_patches import api
 from grpo_patches.plugins import hook
 
 
-
-def observe_logprob_passes(instance: Any, output: dict) -> None:
+def observe_reference_pass(instance: Any, output: dict) -> None:
     """After ``_generate_and_score_completions`` (training mode): decide, check, count, note."""
     decision = hook().grpo_skip_reference_pass(
         framework="trl",

@@ -1,17 +1,16 @@
-"""Stand-ins for the model in TRL's own log-prob method, so the adapter reuses TRL's input handling.
+"""The arguments of TRL's log-prob method for a subset of a micro-batch's rows.
 
+Text arguments (:data:`ROW_ARGS`) are sliced. Multimodal ones (:data:`MULTIMODAL_KEYS`) are
+indexed per image / tile, not per row, so the adapter lets TRL cut them:
 ``GRPOTrainer._get_per_token_logps_and_entropies(model, ...)`` cuts a micro-batch into chunks
-of rows, builds each chunk's model inputs (multimodal tensors cut per image / tile the way
-that TRL version and model need), asks MoE models for their aux loss, and calls
-``model(**inputs, labels=..., fused_lm_head=True)``. Handing it a stand-in for ``model``:
+of rows, builds each chunk's model inputs (multimodal tensors cut the way that TRL version and
+model need) and calls ``model(**inputs, labels=..., fused_lm_head=True)``. Handing it a
+stand-in for ``model``:
 
 * :class:`RowRecorder` (no forward at all): each row's multimodal model inputs, cut by TRL
   (called with ``batch_size=1``), so any subset of rows can be assembled (:func:`per_row_inputs`);
 * :class:`WithRowInputs`: the real model, given the multimodal inputs of the rows TRL's
-  text-only call is processing (a row subset of a multimodal micro-batch);
-* :class:`LastHidden`: the real (DDP/FSDP-wrapped) model run with ``logits_to_keep=1`` (one
-  position through the lm-head); a forward hook catches the backbone's last hidden state for
-  the tiled loss, and TRL gets zero log-probs (never read) and the model's own aux loss.
+  text-only call is processing (a row subset of a multimodal micro-batch).
 
 Instruments that count forwards skip a stand-in marked ``runs_no_forward``.
 """
@@ -21,8 +20,45 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+#: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
+ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+#: Multimodal arguments, indexed per image / tile (not per row): a row subset takes its rows'
+#: model inputs as TRL cuts them.
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "image_sizes",
+    "spatial_shapes",
+    "num_tiles",
+    "image_position_ids",
+)
 #: Model inputs TRL builds from the text arguments (the rest are multimodal, cut per row by TRL).
 TEXT_INPUTS = ("input_ids", "attention_mask", "output_router_logits")
+
+
+def is_multimodal(arguments: Mapping[str, Any]) -> bool:
+    return any(arguments.get(name) is not None for name in MULTIMODAL_KEYS)
+
+
+def rows_of(bound: Mapping[str, Any], rows: Any, method: Callable[..., Any] | None = None,
+            row_inputs: list | None = None) -> dict[str, Any]:
+    """The arguments of ``_get_per_token_logps_and_entropies`` for a subset of rows.
+
+    Multimodal arguments are not cut here: each row's model inputs are recorded once through
+    TRL's own ``method`` (or given as ``row_inputs``) and handed to the model with its rows.
+    """
+    out = dict(bound)
+    for name in ROW_ARGS:
+        if out.get(name) is not None:
+            out[name] = out[name].index_select(0, rows)
+    if is_multimodal(bound):
+        if row_inputs is None:
+            row_inputs = per_row_inputs(method, bound)
+        out.update(dict.fromkeys(MULTIMODAL_KEYS))
+        out["model"] = WithRowInputs(bound["model"], [row_inputs[i] for i in rows.tolist()])
+    return out
 
 
 class RowRecorder:
@@ -68,33 +104,6 @@ class WithRowInputs:
             values = [row[key] for row in chunk]
             inputs[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else values
         return self.model(**inputs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-
-class LastHidden:
-    """The model run to its backbone's last hidden state (see the module docstring)."""
-
-    def __init__(self, model: Any, backbone: Any) -> None:
-        self.model, self.backbone = model, backbone
-        self.hidden: list[Any] = []
-
-    def __call__(self, *, labels: Any = None, fused_lm_head: bool = False, **inputs: Any) -> Any:
-        caught: dict[str, Any] = {}
-
-        def catch(module: Any, args: Any, output: Any) -> None:
-            caught["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-        handle = self.backbone.register_forward_hook(catch)
-        try:
-            out = self.model(**inputs, logits_to_keep=1, use_cache=False)
-        finally:
-            handle.remove()
-        hidden = caught["hidden"]
-        self.hidden.append(hidden)
-        zeros = hidden.new_zeros(hidden.shape[:2], dtype=hidden.dtype).float()
-        return SimpleNamespace(log_probs=zeros, entropy=zeros, aux_loss=getattr(out, "aux_loss", None), logits=None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)

@@ -7,7 +7,7 @@ trainer for the duration of that call; the wrapper here answers that one forward
 * zero-advantage filter: the kept rows go through the model with gradients. The dropped rows
   either get no forward at all (default), their log-probs set to their old log-probs (or 0
   when TRL uses the detached current ones) so that their ratio is exactly 1 and their
-  entropies to 0 (the filter then logs the entropy over the kept rows, :mod:`.kept_rows`), or,
+  entropies to 0 (the filter then logs the entropy over the kept rows, :mod:`.metrics`), or,
   with ``dropped_rows_metrics=True``, a no-grad forward for their true values. Both are
   scattered back into ``[B, T]`` tensors, so TRL's own loss code sees the whole micro-batch:
   every denominator is TRL's. The dropped rows have an advantage of exactly 0, hence a
@@ -17,7 +17,9 @@ trainer for the duration of that call; the wrapper here answers that one forward
   gradient-free) loss is replaced by the tiled one.
 
 Any other call (generation-time passes, no active :class:`LossCall`) goes straight through,
-except the old-logprob pass the filter defers to the kept rows (:mod:`.old_logprobs`).
+except the old-logprob pass the filter defers to the kept rows: the
+:class:`~.deferred_pass.Deferred` armed on the trainer's state answers it with a placeholder.
+Row subsets are built by :mod:`.row_subsets`.
 """
 
 from __future__ import annotations
@@ -27,21 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import state
-
-#: Per-row arguments of ``_get_per_token_logps_and_entropies`` that are sliced with the rows.
-ROW_ARGS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-#: Multimodal arguments, indexed per image / tile (not per row): a row subset takes its rows'
-#: model inputs as TRL cuts them (:mod:`.stand_ins`).
-MULTIMODAL_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "image_sizes",
-    "spatial_shapes",
-    "num_tiles",
-    "image_position_ids",
-)
+from .row_subsets import is_multimodal, per_row_inputs, rows_of
 
 #: ``tiled(trainer, method, arguments, rows) -> (loss, logps, entropies, aux_loss)``: the tiled loss
 #: of ``rows`` (a LongTensor), ``arguments`` being TRL's log-prob ``method``'s for those rows.
@@ -80,13 +68,6 @@ class LossCall:
     row_inputs: Any = None
 
 
-def loss_mask(inputs: Any) -> Any:
-    """The tokens TRL's loss counts: the completion mask, times the tool mask when present."""
-    mask = inputs["completion_mask"]
-    tool_mask = inputs.get("tool_mask") if hasattr(inputs, "get") else None
-    return mask if tool_mask is None else mask * tool_mask
-
-
 def active_call(trainer: Any) -> LossCall | None:
     return state.of(trainer).loss_call
 
@@ -116,41 +97,6 @@ def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, A
     return dict(bound.arguments)
 
 
-def is_multimodal(arguments: Mapping[str, Any]) -> bool:
-    return any(arguments.get(name) is not None for name in MULTIMODAL_KEYS)
-
-
-def multimodal_rows_supported() -> bool:
-    """Row subsets of multimodal micro-batches need TRL's fused log-prob path (TRL >= 1.15),
-    whose model call a :class:`~.stand_ins.RowRecorder` can answer."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    return Version(version("trl")) >= Version("1.15")
-
-
-def rows_of(bound: Mapping[str, Any], rows: Any, method: Callable[..., Any] | None = None,
-            row_inputs: list | None = None) -> dict[str, Any]:
-    """The arguments of ``_get_per_token_logps_and_entropies`` for a subset of rows.
-
-    Multimodal arguments are not cut here: each row's model inputs are recorded once through
-    TRL's own ``method`` (or given as ``row_inputs``) and handed to the model with its rows.
-    """
-    out = dict(bound)
-    for name in ROW_ARGS:
-        if out.get(name) is not None:
-            out[name] = out[name].index_select(0, rows)
-    if is_multimodal(bound):
-        from .stand_ins import WithRowInputs, per_row_inputs
-
-        if row_inputs is None:
-            row_inputs = per_row_inputs(method, bound)
-        out.update(dict.fromkeys(MULTIMODAL_KEYS))
-        out["model"] = WithRowInputs(bound["model"], [row_inputs[i] for i in rows.tolist()])
-    return out
-
-
 def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int, fill: Any = None) -> Any:
     """``[B, ...]`` tensor with the kept rows (differentiable) and the dropped rows (constants:
     ``dropped`` when given, else ``fill``'s rows, else zeros)."""
@@ -173,13 +119,10 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
     def per_token_logps_and_entropies(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         import torch
 
-        from .stand_ins import per_row_inputs
-
         call = active_call(instance) if instance is not None else None
-        if call is None and instance is not None and state.of(instance).deferred is not None:
-            from .old_logprobs import placeholder_for
-
-            answer = placeholder_for(instance, _bind(wrapped, args, kwargs), arity)
+        deferred = state.of(instance).deferred if call is None and instance is not None else None
+        if deferred is not None:
+            answer = deferred.answer(instance, _bind(wrapped, args, kwargs), arity)
             if answer is not None:
                 return answer  # the old-logprob pass, run for the kept rows once advantages exist
         if call is None or call.used:

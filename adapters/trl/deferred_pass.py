@@ -1,0 +1,111 @@
+"""The old-logprob pass for the rows the zero-advantage filter keeps, and no others.
+
+TRL computes a rollout's old log-probs (when it needs them) inside
+``_generate_and_score_completions``, before it scores the rollout, so it cannot know which
+rows will have a zero advantage. With the filter on and ``dropped_rows_metrics=False`` the
+dropped rows' old log-probs are never read: their ratio is set to exactly 1 in the loss call
+(:mod:`.policy_forward`). So the pass is deferred: TRL's call gets a placeholder, and once the
+method returns (advantages known) the pass runs on the rows the ``grpo_filter_zero_advantage``
+hook keeps for the whole rollout, with TRL's own arguments and the same weights (nothing
+trains in between). The placeholder's other rows stay 0 and are never read by the loss.
+
+Under data parallelism every rank keeps the same number of rows (the hook aligns them), so
+every rank runs the same number of forward chunks (ZeRO-3 / FSDP gather inside each).
+Not deferred when something reads the old log-probs inside the method (vLLM importance
+sampling), with ``dropped_rows_metrics=True`` (then TRL's metrics need every row's), for
+multimodal rollouts on TRL < 1.15, or when the filter is off for the trainer.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+from grpo_patches import api
+
+from . import GRPO_MODULE, metrics, state
+from . import filter as zero_advantage_filter
+from .loss_types import importance_sampling_on, loss_mask
+from .row_subsets import is_multimodal, rows_of
+from .version import multimodal_rows_supported
+
+
+@dataclass
+class Deferred:
+    """One rollout's deferred old-logprob pass: TRL's arguments and the placeholder it got."""
+
+    arguments: dict[str, Any] = field(default_factory=dict)
+    placeholder: Any = None
+
+    def answer(self, trainer: Any, arguments: Mapping[str, Any], arity: int) -> tuple | None:
+        """Asked by the routing wrapper (:mod:`.policy_forward`) for a log-prob call outside a
+        loss call: the placeholder answer when this is the deferred old-logprob pass, else
+        ``None`` (run it)."""
+        import torch
+
+        if (self.placeholder is not None or torch.is_grad_enabled()
+                or arguments.get("model") is not trainer.model
+                or (is_multimodal(arguments) and not multimodal_rows_supported())):
+            return None
+        ids = arguments["input_ids"]
+        self.arguments = dict(arguments)
+        self.placeholder = torch.zeros(ids.size(0), int(arguments["logits_to_keep"]), device=ids.device)
+        return (self.placeholder, None) if arity == 2 else (self.placeholder, None, None)
+
+
+def _applies(trainer: Any) -> bool:
+    options = api.active_options("trl")
+    return (
+        options is not None
+        and options.zero_advantage_filter is not False
+        and not options.dropped_rows_metrics
+        and not importance_sampling_on(trainer)
+        and zero_advantage_filter.decide(trainer)
+    )
+
+
+@contextmanager
+def deferring(trainer: Any) -> Iterator[Deferred | None]:
+    """For the duration of one training ``_generate_and_score_completions`` call: arm the
+    deferral (yields ``None`` when it does not apply)."""
+    if not _applies(trainer):
+        yield None
+        return
+    own = state.of(trainer)
+    own.deferred = Deferred()
+    try:
+        yield own.deferred
+    finally:
+        own.deferred = None
+
+
+def _no_checkpointing(trainer: Any) -> Any:
+    """TRL's context that runs a no-grad forward without gradient checkpointing (if it has one)."""
+    disable: Callable[..., Any] | None = getattr(sys.modules.get(GRPO_MODULE), "disable_gradient_checkpointing", None)
+    if disable is None:
+        return nullcontext()
+    return disable(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+
+
+def complete(trainer: Any, deferred: Deferred | None, output: dict) -> None:
+    """After TRL's method returned: run the deferred pass on the kept rows, in place."""
+    if deferred is None or deferred.placeholder is None:
+        return
+    import torch
+
+    from grpo_patches.plugins import hook
+
+    state.of(trainer).deferred = None  # the pass below goes straight through the routing wrapper
+    rows = int(deferred.placeholder.size(0))
+    plan = hook().grpo_filter_zero_advantage(
+        advantages=output["advantages"], mask=loss_mask(output), denominator="fixed", group=None
+    )
+    keep = torch.arange(rows, device=deferred.placeholder.device) if plan is None else plan.keep
+    method = trainer._get_per_token_logps_and_entropies
+    with torch.no_grad(), _no_checkpointing(trainer):
+        values = method(**rows_of(deferred.arguments, keep, method))[0]
+    old = deferred.placeholder.to(values.dtype).index_copy(0, keep.to(values.device), values)
+    output["old_per_token_logps"] = old
+    metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()))
