@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from grpo_patches.api import disable, enable, status
+from grpo_patches.errors import ExactnessError
 from grpo_patches.hookspecs import hookimpl, hookspec
 from grpo_patches.options import Options
 from grpo_patches.plugins import plugin_manager
@@ -16,6 +17,7 @@ from grpo_patches.plugins import plugin_manager
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExactnessError",
     "Options",
     "disable",
     "enable",

@@ -11,6 +11,7 @@ machinery, holding that module's import lock) may take the API lock safely.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -22,7 +23,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from grpo_patches import instance_state, registry, savings
+from grpo_patches import instance_state, registry, savings, verify_log
 from grpo_patches.errors import UnsupportedFrameworkError
 from grpo_patches.options import OPTIMIZATIONS, Options
 from grpo_patches.patching import AppliedPatch, PatchTarget, apply_targets, restore_all
@@ -45,6 +46,7 @@ class _Enabled:
     notes: dict[str, str] = field(default_factory=dict)
     by_class: dict[str, dict[str, str]] = field(default_factory=dict)  # trainer class -> its notes
     order: list[AppliedPatch] = field(default_factory=list)  # application order, for exact undo
+    switched_off: dict[str, str] = field(default_factory=dict)  # option -> why verification turned it off
 
     def pending(self, module: str | None = None) -> list[_Record]:
         return [r for r in self.records if r.applied is None and module in (None, r.target.module)]
@@ -223,9 +225,28 @@ def _disable_one(name: str) -> None:
 
 
 def active_options(framework: str) -> Options | None:
-    """Options in force for ``framework`` (``None`` when it is not enabled). Wrappers read this."""
+    """Options in force for ``framework`` (``None`` when it is not enabled). Wrappers read this.
+
+    An optimization that verification switched off (:func:`switch_off`) reads ``False`` here
+    for the rest of the run, whatever was enabled."""
     state = _enabled.get(framework)
-    return None if state is None else state.options
+    if state is None:
+        return None
+    if not state.switched_off:
+        return state.options
+    return dataclasses.replace(state.options, **{option: False for option in state.switched_off})
+
+
+def switch_off(framework: str, option: str, reason: str) -> None:
+    """Switch ``option`` off for the rest of the run (verify mode's ``verify_action="disable"``);
+    ``status()`` says so in the option's note. A later :func:`enable` or :func:`disable` forgets it."""
+    if option not in OPTIMIZATIONS:
+        raise ValueError(f"switch_off: {option!r} is not one of {', '.join(OPTIMIZATIONS)}")
+    with _lock:
+        state = _enabled.get(framework)
+        if state is not None:
+            state.switched_off.setdefault(option, reason)
+            state.notes[option] = f"off: {state.switched_off[option]}"
 
 
 def enabled_via_all(framework: str) -> bool:
@@ -318,6 +339,10 @@ def status() -> dict[str, dict[str, Any]]:
                 targets=[p.target.name for p in state.order],
                 patches=_record_states(state),
                 not_applicable=[o for o in OPTIMIZATIONS if o in adapter.inapplicable(state.version)],
+                switched_off=dict(state.switched_off),
             )
+        verified = verify_log.report(name)
+        if verified is not None:
+            entry["verify"] = verified
         report[name] = entry
     return report

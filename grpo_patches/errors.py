@@ -25,3 +25,27 @@ class IncompatibleOptionsError(GrpoPatchesError, ValueError):
 
 class GrpoPatchesWarning(UserWarning):
     """Something was switched off or ignored; the message says what and why."""
+
+
+class ExactnessError(GrpoPatchesError, RuntimeError):
+    """Verify mode found an optimization whose result differs from the unpatched computation.
+
+    :ivar framework: the adapter (``"trl"``, ``"verl"``, ``"nemo_rl"``).
+    :ivar optimizations: the option names whose work the compared computation changed.
+    :ivar step: the optimizer step (0-based, as the adapter counts them) that was verified.
+    :ivar quantity: what was compared (``"grad_rel_diff"``, ``"old_logprob_max_abs_diff"``, ...).
+    :ivar measured: the difference, agreed over the data-parallel ranks (their maximum).
+    :ivar tolerance: the largest accepted difference.
+    """
+
+    def __init__(self, framework: str, optimizations: tuple[str, ...], step: int, quantity: str,
+                 measured: float, tolerance: float, detail: str = "") -> None:
+        self.framework, self.optimizations, self.step = framework, tuple(optimizations), step
+        self.quantity, self.measured, self.tolerance = quantity, measured, tolerance
+        names = ", ".join(self.optimizations)
+        super().__init__(
+            f"grpo_patches verify: {framework} step {step}: {names} changed the result: {quantity} = {measured:.3e} "
+            f"> tolerance {tolerance:.3e}{f' ({detail})' if detail else ''}. The run was stopped before this step's "
+            f"update. Pass verify_action='disable' to continue without {names}, or {names.split(', ')[0]}=False, "
+            "and please report it with grpo_patches.status()"
+        )

@@ -14,6 +14,8 @@ from grpo_patches.errors import OptionError
 _AUTO_VALUES = ("auto", True, False)
 #: The options that switch an optimization on or off (the others parametrise one).
 OPTIMIZATIONS = ("recompute", "logprob_skip", "zero_advantage_filter", "tiled_loss")
+#: Values of ``verify_action``: what a verify step that finds a difference does.
+VERIFY_ACTIONS = ("raise", "disable")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,16 @@ class Options:
           adapter cannot classify is not logged, with a note in ``status()``.
         - ``True``: dropped rows get a no-grad forward (no activations kept, no backward), so
           every metric keeps its name and exact value over all rows.
+    :ivar verify_every: verify mode (:mod:`grpo_patches.verify`): ``None`` (default) never
+        verifies; ``N`` verifies the first optimizer step and every ``N``-th one after it
+        (``1``: every step). On a verify step every optimization that changed work is checked
+        against what the unpatched framework would have computed on the same inputs and weights.
+    :ivar verify_action: what a difference above the tolerance does: ``"raise"`` stops the run
+        with :class:`~grpo_patches.errors.ExactnessError`; ``"disable"`` switches that
+        optimization off for the rest of the run (a warning and a note in ``status()``) and the
+        failing step itself uses the unpatched result.
+    :ivar verify_tolerance: the largest accepted difference; ``None``: 1e-5 (relative) in fp32,
+        and in bf16/fp16 ten times the noise floor measured on the same step.
     """
 
     recompute: bool = True
@@ -52,6 +64,9 @@ class Options:
     tiled_loss: bool | str = False
     tile_size: int | None = None
     dropped_rows_metrics: bool = False
+    verify_every: int | None = None
+    verify_action: str = "raise"
+    verify_tolerance: float | None = None
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> "Options":
@@ -69,9 +84,19 @@ class Options:
             value = options.get(name, "auto")
             if not any(value is v or (isinstance(v, str) and value == v) for v in _AUTO_VALUES):
                 raise OptionError(f"option {name!r} must be one of 'auto', True, False; got {value!r}")
-        tile = options.get("tile_size")
-        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
-            raise OptionError(f"option 'tile_size' must be a positive int or None, got {tile!r}")
+        for name in ("tile_size", "verify_every"):
+            value = options.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise OptionError(f"option {name!r} must be a positive int or None, got {value!r}")
+        action = options.get("verify_action", "raise")
+        if action not in VERIFY_ACTIONS:
+            raise OptionError(f"option 'verify_action' must be one of {', '.join(map(repr, VERIFY_ACTIONS))}; got {action!r}")
+        tolerance = options.get("verify_tolerance")
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                      or not tolerance > 0 or tolerance == float("inf")):
+            raise OptionError(f"option 'verify_tolerance' must be a positive finite number or None, got {tolerance!r}")
+        if tolerance is not None:
+            options = {**options, "verify_tolerance": float(tolerance)}
         return cls(**options)
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,7 +106,8 @@ class Options:
 def parse_env_options(text: str) -> dict[str, Any]:
     """Parse ``"recompute=0,tile_size=512,zero_advantage_filter=auto"`` (the options variable).
 
-    Booleans accept 1/0/true/false/yes/no/on/off; ``tile_size`` an int or ``none``.
+    Booleans accept 1/0/true/false/yes/no/on/off; ``tile_size`` and ``verify_every`` an int or
+    ``none``; ``verify_tolerance`` a number or ``none``; ``verify_action`` ``raise`` or ``disable``.
     """
     result: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -90,14 +116,17 @@ def parse_env_options(text: str) -> dict[str, Any]:
         if not sep or not name:
             raise OptionError(f"expected name=value, got {item!r}")
         low = raw.lower()
-        if name == "tile_size":
+        if name in ("tile_size", "verify_every", "verify_tolerance"):
+            kind, what = (float, "a number") if name == "verify_tolerance" else (int, "an int")
             if low == "none":
                 result[name] = None
             else:
                 try:
-                    result[name] = int(raw)
+                    result[name] = kind(raw)
                 except ValueError:
-                    raise OptionError(f"option 'tile_size' must be an int or none, got {raw!r}") from None
+                    raise OptionError(f"option {name!r} must be {what} or none, got {raw!r}") from None
+        elif name == "verify_action":
+            result[name] = low
         elif name in ("zero_advantage_filter", "tiled_loss") and low == "auto":
             result[name] = "auto"
         elif low in ("1", "true", "yes", "on"):
