@@ -22,10 +22,35 @@ import torch
 from tests import verl_harness as h
 
 GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
+#: ``GRPO_PATCHES_PLANTED_FAULT=renormalise`` runs every patched update through :func:`renormalising_filter`
+#: (the compat cell must then fail: that is how the cells were shown to be able to fail).
+PLANTED_FAULT = os.environ.get("GRPO_PATCHES_PLANTED_FAULT")
+
+
+def renormalising_filter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A planted fault: the kept rows only, and verl left to count the loss's tokens over them
+    (the naive filter: every kept row's loss renormalised by the kept tokens)."""
+    from verl.utils import tensordict_utils as tu
+
+    from grpo_patches.adapters.verl.engine_filter import _useful_rows
+
+    data, loss_function, forward_only = args[0], args[1], kwargs.get("forward_only", False)
+    adv, mask = _useful_rows(data)
+    keep = torch.nonzero(((adv != 0) & (mask != 0)).any(-1)).flatten()
+    return wrapped(tu.index_select_tensor_dict(data, keep), loss_function, forward_only)
+
+
+def plant_fault() -> None:
+    """Replace the adapter's filtering step with :func:`renormalising_filter` in this process."""
+    from grpo_patches.adapters.verl import engine_filter
+
+    engine_filter.forward_backward_batch = renormalising_filter
 
 
 def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     """The CPU platforms and a gloo group (on the gpu tier: verl's own CUDA platform and NCCL)."""
+    if PLANTED_FAULT == "renormalise":
+        plant_fault()
     if not GPU:
         from tests import megatron_cpu_shim, verl_cpu_shim
 
@@ -87,7 +112,8 @@ class MegatronWorker:
         object.__setattr__(engine, "dtype", dtype)  # verl's validation accepts bf16 / fp16 only
         # no clipping on CPU: megatron-core's clip asserts CUDA tensors (the gradient is recorded before the step)
         optim = McoreOptimizerConfig(lr=0.05, optimizer="sgd", weight_decay=0.0, clip_grad=1.0 if GPU else 0.0,
-                                     total_training_steps=10)
+                                     total_training_steps=10, lr_decay_style="constant",  # the same lr in every run
+                                     override_optimizer_config={"sgd_momentum": 0.0})  # no state across runs
         self.worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model,
                                                           engine_config=engine, optimizer_config=optim,
                                                           checkpoint_config=CheckpointConfig()))
@@ -138,6 +164,10 @@ class MegatronWorker:
                                  policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False,
                                  ppo_micro_batch_size_per_gpu=self.mbs, **actor_extra)
         self.worker.set_loss_fn(partial(ppo_loss, config=actor))
+
+    def run_td(self, td: Any, options: dict | None | str) -> h.Run:
+        """:meth:`verl_harness.EngineWorker.run_td`'s shape (the loss as :meth:`set_loss` makes it by default)."""
+        return self.run(options, td=td)
 
     def run(self, options: dict | None, *, agg: str = "token-mean", n_mini: int = 1, zero: str = "interleaved",
             dp_rank: int = 0, dp: int = 1, batch_extra: dict | None = None, calculate_entropy: bool = False,
