@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix import HERE, TIERS, load  # noqa: E402
 
 RESULTS_DIR = HERE / ".results"
-#: record_property names shown in the table: exactness (patched vs unpatched) and gpu-tier ratios
-FIGURES = ("exact_", "perf_")
+#: record_property names shown in the table: exactness (patched vs unpatched), gpu-tier ratios, work
+#: saved (``saved_``) and how far a planted fault lands from the reference (``fault_``: must be large)
+FIGURES = ("exact_", "perf_", "saved_", "fault_")
 JSON_OUT = HERE / "results.json"
 MD_OUT = HERE / "RESULTS.md"
 

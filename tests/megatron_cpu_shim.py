@@ -121,18 +121,23 @@ def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, **extra)
 
 
-def mbridge_local_layers() -> None:
-    """mbridge builds Transformer Engine layers unconditionally: build the local ones instead. mbridge
-    0.15.1 also compares with ``ModelType.encoder_and_decoder``, which megatron-core 0.19 removed (only
-    ``encoder_or_decoder`` is left): its module gets a ``ModelType`` with both names."""
+def mbridge_model_type() -> None:
+    """mbridge 0.15.1 compares with ``ModelType.encoder_and_decoder``, which megatron-core 0.19 removed
+    (only ``encoder_or_decoder`` is left): its module gets a ``ModelType`` with both names (CPU and GPU)."""
     import types
 
     from mbridge.core import util as mbridge_util
-    from mbridge.core.llm_bridge import LLMBridge
 
     if not hasattr(mbridge_util.ModelType, "encoder_and_decoder"):
         mbridge_util.ModelType = types.SimpleNamespace(encoder_or_decoder=mbridge_util.ModelType.encoder_or_decoder,
                                                        encoder_and_decoder=object())
+
+
+def mbridge_local_layers() -> None:
+    """mbridge builds Transformer Engine layers unconditionally: build the local ones instead."""
+    from mbridge.core.llm_bridge import LLMBridge
+
+    mbridge_model_type()
 
     def _get_transformer_layer_spec(self: Any, vp_stage: int | None = None) -> Any:
         self.has_vp_stage = True

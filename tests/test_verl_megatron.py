@@ -30,7 +30,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from tests import verl_megatron_harness as mh  # noqa: E402
 
-TOL = 1e-6
+TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
 LAYOUTS = [(False, 1, "grouped"), (False, 2, "interleaved"), (True, 1, "interleaved"), (True, 2, "grouped")]
 KEPT = 8  # rows with a non-zero advantage per rank
@@ -47,14 +47,26 @@ def workers(tmp_path_factory):
     return built
 
 
+@pytest.fixture(scope="module")
+def tolerance(workers):
+    """1e-6 in fp32; in bf16 twice the gradient change that merely re-batching the same rows makes
+    (static vs dynamic micro-batches, unpatched), and never below 1e-6."""
+    if not mh.GPU:
+        return TOL
+    noise = h.max_rel(workers[True].run(None), workers[False].run(None))
+    return max(TOL, 2 * noise)
+
+
 @pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
 @pytest.mark.parametrize("agg", h.AGG_MODES)
-def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_mini, zero, record_property):
+def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dynamic, n_mini, zero,
+                                                    record_property):
     ref = workers[dynamic].run(None, agg=agg, n_mini=n_mini, zero=zero)
     got = workers[dynamic].run(FILTER, agg=agg, n_mini=n_mini, zero=zero)
     err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
     record_property("exact_megatron_filter_grad_rel_ws1", err)
-    assert err <= TOL, (agg, dynamic, n_mini, zero, err)
+    record_property("saved_megatron_autograd_rows_ws1", ref.grad_rows - got.grad_rows)
+    assert err <= tolerance, (agg, dynamic, n_mini, zero, err, tolerance)
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT, (ref.grad_rows, got.grad_rows)
     assert got.forwards < ref.forwards
     assert sum(got.metrics["actor/pg_loss"]) == pytest.approx(sum(ref.metrics["actor/pg_loss"]), rel=1e-5, abs=1e-7)
@@ -63,13 +75,13 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_min
     assert got.status["savings"]["rows_dropped"] == KEPT
 
 
-def test_per_token_loss_keeps_megatrons_token_count(workers, record_property):
+def test_per_token_loss_keeps_megatrons_token_count(workers, tolerance, record_property):
     """``calculate_per_token_loss``: Megatron divides by the micro-batches' accumulated token count."""
     ref = workers["per_token"].run(None)
     got = workers["per_token"].run(FILTER)
     err = h.max_rel(got, ref)
     record_property("exact_megatron_filter_per_token_grad_rel", err)
-    assert err <= TOL and got.grad_rows == KEPT, (err, got.grad_rows)
+    assert err <= tolerance and got.grad_rows == KEPT, (err, got.grad_rows)
 
 
 @pytest.mark.parametrize("kind", ["plain", "per_token"])
@@ -82,7 +94,7 @@ def test_a_planted_fault_fails_the_comparison(workers, kind, monkeypatch, record
     monkeypatch.setattr(engine_filter, "forward_backward_batch", mh.renormalising_filter)
     got = worker.run(FILTER)
     err = h.max_rel(got, ref)
-    record_property(f"planted_fault_grad_rel_{kind}", err)
+    record_property(f"fault_renormalised_grad_rel_{kind}", err)
     assert err > 1e-3 and got.grad_rows == KEPT, err
 
 
@@ -98,7 +110,7 @@ def test_reference_placeholder_at_kl_coefficient_zero(workers, record_property):
     assert got.status["savings"]["reference_passes_skipped"] == 1
 
 
-def test_on_policy_update_skips_the_old_logprob_pass(workers, monkeypatch, record_property):
+def test_on_policy_update_skips_the_old_logprob_pass(workers, tolerance, monkeypatch, record_property):
     """v0 ``RayPPOTrainer._compute_old_log_prob`` (real) on the Megatron worker, then its update."""
     from tests import test_verl_logprob_passes as passes
 
@@ -107,7 +119,7 @@ def test_on_policy_update_skips_the_old_logprob_pass(workers, monkeypatch, recor
     got = passes._engine_old_pass_then_update({"logprob_skip": True, "zero_advantage_filter": False})
     err = h.max_rel(got, ref)
     record_property("exact_megatron_old_logprob_skip_grad_rel", err)
-    assert err <= TOL and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
+    assert err <= tolerance and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
     (entropy,) = got.metrics["actor/entropy"]  # the update's own forward, aggregated as the trainer does
     assert entropy == pytest.approx(ref.metrics["trainer/actor/entropy"], rel=1e-6)
     assert got.status["savings"]["old_logprob_passes_skipped"] == 1
@@ -134,6 +146,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
     shape = TOPOLOGIES[topology]
     dp = 2 if topology == "dp2" else 1
     workers = {d: mh.MegatronWorker(model_path, dynamic=d, **shape) for d in (False, True)}
+    noise = h.max_rel(workers[True].run(None), workers[False].run(None)) if mh.GPU else 0.0  # bf16: re-batching
     results = []
     for agg, dynamic, n_mini, zero in MULTI:
         kw = dict(agg=agg, n_mini=n_mini, zero=zero, dp_rank=rank if dp == 2 else 0, dp=dp)
@@ -141,7 +154,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
         got = workers[dynamic].run(FILTER, **kw)
         results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
                         "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows,
-                        "ref_grad_rows": ref.grad_rows})
+                        "ref_grad_rows": ref.grad_rows, "tol": max(TOL, 2 * noise)})
     with open(os.path.join(out_dir, f"{topology}-rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -149,6 +162,8 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def two_process_results(request, tmp_path_factory):
+    if mh.GPU and torch.cuda.device_count() < 2:
+        pytest.skip("not run: two processes need two GPUs on the gpu tier")
     out = tmp_path_factory.mktemp(f"verl_megatron_{request.param}")
     path = mh.model_dir(str(out))
     mp.spawn(_two_process_worker, args=(h.free_port(), str(out), path, request.param), nprocs=2, join=True)
@@ -158,10 +173,9 @@ def two_process_results(request, tmp_path_factory):
 def test_two_processes_exact_with_identical_schedules(two_process_results, record_property):
     topology, (rank0, rank1) = two_process_results
     for a, b in zip(rank0, rank1):
-        assert a["err"] <= TOL and b["err"] <= TOL, (topology, a, b)
+        assert a["err"] <= a["tol"] and b["err"] <= b["tol"], (topology, a, b)
         # every stage / TP rank / DP rank runs the same micro-batches (a pipeline schedule hangs otherwise)
         assert a["steps"] == b["steps"] and a["forwards"] == b["forwards"], (topology, a, b)
         assert a["forwards"] < a["ref_forwards"] and a["grad_rows"] < a["ref_grad_rows"], (topology, a)
     record_property(f"exact_megatron_filter_grad_rel_{topology}", max(r["err"] for r in rank0 + rank1))
-    record_property(f"megatron_autograd_rows_{topology}",
-                    f"{rank0[0]['ref_grad_rows']} -> {rank0[0]['grad_rows']} (rank 0, {MULTI[0][0]})")
+    record_property(f"saved_megatron_autograd_rows_{topology}", rank0[0]["ref_grad_rows"] - rank0[0]["grad_rows"])

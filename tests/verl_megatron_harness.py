@@ -22,6 +22,8 @@ import torch
 from tests import verl_harness as h
 
 GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
+#: fp32 on CPU (exactness at 1e-6); bf16 on the gpu tier (compared with the re-batching noise floor)
+DTYPE = "bfloat16" if GPU else "float32"
 #: ``GRPO_PATCHES_PLANTED_FAULT=renormalise`` runs every patched update through :func:`renormalising_filter`
 #: (the compat cell must then fail: that is how the cells were shown to be able to fail).
 PLANTED_FAULT = os.environ.get("GRPO_PATCHES_PLANTED_FAULT")
@@ -51,8 +53,10 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     """The CPU platforms and a gloo group (on the gpu tier: verl's own CUDA platform and NCCL)."""
     if PLANTED_FAULT == "renormalise":
         plant_fault()
+    from tests import megatron_cpu_shim
+
     if not GPU:
-        from tests import megatron_cpu_shim, verl_cpu_shim
+        from tests import verl_cpu_shim
 
         verl_cpu_shim.install()
         megatron_cpu_shim.install()
@@ -61,6 +65,7 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
         return
     import torch.distributed as dist
 
+    megatron_cpu_shim.mbridge_model_type()
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or h.free_port()), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -94,14 +99,15 @@ class MegatronWorker:
     """One ``TrainingWorker`` on verl's Megatron engine, reused across runs (weights reset before each)."""
 
     def __init__(self, path: str, *, tp: int = 1, pp: int = 1, dynamic: bool = False, mbs: int = 2,
-                 max_tokens: int = 40, dtype: str = "float32", per_token: bool = False):
+                 max_tokens: int = 40, dtype: str = DTYPE, per_token: bool = False):
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig, TrainingWorkerConfig
         from verl.workers.engine_workers import TrainingWorker
 
         model = HFModelConfig(path=path, use_remove_padding=False,
                               enable_gradient_checkpointing=False)
-        override = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
+        # mbridge turns sequence parallelism on with TP > 1; megatron-core's local norms refuse it
+        override = {"attention_dropout": 0.0, "hidden_dropout": 0.0, "sequence_parallel": GPU and tp > 1}
         if per_token:
             override["calculate_per_token_loss"] = True
         engine = McoreEngineConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

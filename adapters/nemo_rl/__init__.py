@@ -28,6 +28,8 @@ Workers:
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
   (V06+, ``zero_advantage_filter``): :mod:`.filter`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
+- ``MegatronPolicyWorker(Impl).train`` (``zero_advantage_filter``): the filter does not cover the
+  Megatron worker yet; ``"auto"`` says so in ``status()``, ``True`` raises (:mod:`.filter_megatron`).
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
   :mod:`.tiled`.
@@ -46,6 +48,7 @@ GRPO = "nemo_rl.algorithms.grpo"
 POLICY = "nemo_rl.models.policy.lm_policy"
 LOGGER = "nemo_rl.utils.logger"
 WORKER = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2"
+MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker"
 TRAIN = "nemo_rl.models.automodel.train"
 BATCH = "nemo_rl.distributed.batched_data_dict"
 LOSS_V05 = "nemo_rl.algorithms.loss_functions"
@@ -88,6 +91,11 @@ PATCHES = (
                 option=TILED),
     # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
     PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter:metrics_only_forward_wrapper",
+                versions=V06_UP, option=FILTER),
+    # Megatron policy worker: the filter is not covered there yet (a note, or an error for True)
+    PatchTarget(MEGATRON_WORKER, "MegatronPolicyWorker.train", f"{_H}.filter_megatron:train_wrapper", versions=V05,
+                option=FILTER),
+    PatchTarget(MEGATRON_WORKER, "MegatronPolicyWorkerImpl.train", f"{_H}.filter_megatron:train_wrapper",
                 versions=V06_UP, option=FILTER),
 )
 

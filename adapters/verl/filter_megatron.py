@@ -35,6 +35,28 @@ from .decide import filter_mode
 
 #: (unfiltered global routed tokens, this rank's dropped routed tokens still to report) during a filtered update.
 _ROUTED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_routed", default=None)
+#: Marks the stand-in output of a pipeline stage that is not the last (verl returns ``{}`` there).
+_NOT_LAST_STAGE = "grpo_patches_not_last_stage"
+
+
+def _on_every_stage(engine_wrapper: Callable[..., Any], wrapped: Callable[..., Any], instance: Any, args: tuple,
+                    kwargs: dict) -> Any:
+    """Run a wrapper written for the FSDP engine's ``forward_backward_batch`` (it edits
+    ``output["metrics"]``) on every pipeline stage: the stages before the last return ``{}``."""
+
+    def run(*a: Any, **kw: Any) -> Any:
+        output = wrapped(*a, **kw)
+        return output if output else {"metrics": {}, _NOT_LAST_STAGE: True}
+
+    output = engine_wrapper(run, instance, args, kwargs)
+    return {} if output.get(_NOT_LAST_STAGE) else output
+
+
+def reference_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """:func:`.reference.forward_backward_batch` (the placeholder at KL coefficient 0) on every stage."""
+    from . import reference
+
+    return _on_every_stage(reference.forward_backward_batch, wrapped, instance, args, kwargs)
 
 
 def megatron_problems(engine: Any) -> tuple[str, ...]:
@@ -72,7 +94,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
         return wrapped(*args, **kwargs)
     per_token = bool(getattr(getattr(instance, "tf_config", None), "calculate_per_token_loss", False))
     if not per_token or not hasattr(instance, "_routed_num_tokens"):  # 0.8.0 has no per-token loss path
-        return engine_filter.forward_backward_batch(wrapped, instance, args, kwargs)
+        return _on_every_stage(engine_filter.forward_backward_batch, wrapped, instance, args, kwargs)
 
     routed = _global_routed_tokens(instance, data)
     unfiltered_local = int(instance._routed_num_tokens(data))
@@ -85,7 +107,8 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
         finally:
             _ROUTED.reset(token)
 
-    return engine_filter.forward_backward_batch(run_with_unfiltered_token_counts, instance, args, kwargs)
+    return _on_every_stage(engine_filter.forward_backward_batch, run_with_unfiltered_token_counts, instance, args,
+                           kwargs)
 
 
 def _global_routed_tokens(engine: Any, data: Any) -> int:
