@@ -23,15 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-
-def _cpu(device: Any) -> Any:
-    if isinstance(device, str) and device.startswith("cuda"):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    if isinstance(device, int) and not isinstance(device, bool):
-        return "cpu"  # torch.cuda.current_device()
-    return device
+from tests.compat_nemo_rl.harness import _cpu  # "cuda", torch.device("cuda"), a device index -> the CPU
 
 
 class CudaToCpu(TorchFunctionMode):

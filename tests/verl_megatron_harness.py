@@ -84,6 +84,14 @@ def model_dir(root: str) -> str:
     return path
 
 
+def _supported(config_class: type, **fields: Any) -> dict:
+    """The fields this verl's config class has (newer options are absent from older verls)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {k: v for k, v in fields.items() if k in names}
+
+
 def _main_grads(module: list) -> torch.Tensor:
     parts = []
     for chunk in module:
@@ -114,12 +122,15 @@ class MegatronWorker:
                                    use_mbridge=True, vanilla_mbridge=True, use_distributed_optimizer=False,
                                    sequence_parallel=False, use_dynamic_bsz=dynamic, micro_batch_size_per_gpu=mbs,
                                    max_token_len_per_gpu=max_tokens, override_transformer_config=override,
-                                   pad_bshd_to_minibatch_max=False)
+                                   **_supported(McoreEngineConfig, pad_bshd_to_minibatch_max=False))  # 0.9+ only
         object.__setattr__(engine, "dtype", dtype)  # verl's validation accepts bf16 / fp16 only
+        optimizer_overrides: dict = {"sgd_momentum": 0.0}  # no optimizer state carried from one run to the next
+        if dtype == "float32":  # verl 0.8 always asks megatron-core for a bf16 optimizer
+            optimizer_overrides.update(bf16=False, fp16=False, params_dtype=torch.float32)
         # no clipping on CPU: megatron-core's clip asserts CUDA tensors (the gradient is recorded before the step)
         optim = McoreOptimizerConfig(lr=0.05, optimizer="sgd", weight_decay=0.0, clip_grad=1.0 if GPU else 0.0,
                                      total_training_steps=10, lr_decay_style="constant",  # the same lr in every run
-                                     override_optimizer_config={"sgd_momentum": 0.0})  # no state across runs
+                                     override_optimizer_config=optimizer_overrides)
         self.worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model,
                                                           engine_config=engine, optimizer_config=optim,
                                                           checkpoint_config=CheckpointConfig()))
