@@ -8,7 +8,9 @@ Ray workers, which get grpo_patches through the start-up directory (``grpo-patch
 
 Driver:
 
-- ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`).
+- ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`); with a
+  Megatron policy (``zero_advantage_filter``): the filter does not cover that worker yet, a note
+  or an error (:mod:`.filter_megatron`).
 - ``Policy.__init__``, ``Policy.get_reference_policy_logprobs`` (V05, V06; ``logprob_skip``):
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
 - ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
@@ -28,8 +30,6 @@ Workers:
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
   (V06+, ``zero_advantage_filter``): :mod:`.filter`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
-- ``MegatronPolicyWorker(Impl).train`` (``zero_advantage_filter``): the filter does not cover the
-  Megatron worker yet; ``"auto"`` says so in ``status()``, ``True`` raises (:mod:`.filter_megatron`).
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
   :mod:`.tiled`.
@@ -48,7 +48,6 @@ GRPO = "nemo_rl.algorithms.grpo"
 POLICY = "nemo_rl.models.policy.lm_policy"
 LOGGER = "nemo_rl.utils.logger"
 WORKER = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2"
-MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker"
 TRAIN = "nemo_rl.models.automodel.train"
 BATCH = "nemo_rl.distributed.batched_data_dict"
 LOSS_V05 = "nemo_rl.algorithms.loss_functions"
@@ -92,11 +91,8 @@ PATCHES = (
     # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
     PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter:metrics_only_forward_wrapper",
                 versions=V06_UP, option=FILTER),
-    # Megatron policy worker: the filter is not covered there yet (a note, or an error for True)
-    PatchTarget(MEGATRON_WORKER, "MegatronPolicyWorker.train", f"{_H}.filter_megatron:train_wrapper", versions=V05,
-                option=FILTER),
-    PatchTarget(MEGATRON_WORKER, "MegatronPolicyWorkerImpl.train", f"{_H}.filter_megatron:train_wrapper",
-                versions=V06_UP, option=FILTER),
+    # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),
 )
 
 ADAPTER = Adapter(

@@ -1,10 +1,10 @@
-"""The zero-advantage filter in NeMo-RL's Megatron policy worker: not covered yet, never silently.
+"""The zero-advantage filter with NeMo-RL's Megatron policy worker: not covered yet, never silently.
 
-``MegatronPolicyWorker(Impl).train`` (v0.5.0: ``MegatronPolicyWorker``; v0.6.0+:
-``MegatronPolicyWorkerImpl``) runs NeMo-RL's own micro-batches: no filter record of the DTensor
-worker reaches it. For a policy-gradient train call with the filter asked for, ``"auto"`` says
-so in this worker's ``status()``; ``True`` raises one clear error before the first backward
-(compat/README.md, "NeMo-RL's Megatron worker", says what a filter there needs).
+With ``policy.megatron_cfg.enabled`` NeMo-RL trains in ``MegatronPolicyWorker(Impl)``, on its own
+micro-batches: no filter record of the DTensor worker reaches it. ``grpo.setup`` (driver, wrapped)
+sees the config before any worker exists: ``"auto"`` says so in ``status()``, ``True`` raises one
+clear error before training (compat/README.md, "NeMo-RL's Megatron worker", says what a filter
+there needs). Nothing is imported from the Megatron worker (it needs Megatron-Bridge).
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ from grpo_patches import api
 from grpo_patches.errors import IncompatibleOptionsError
 
 from .calls import arguments
+from .settings import setting
 from .state import FRAMEWORK
 
 WHY = ("NeMo-RL's Megatron policy worker (policy.megatron_cfg.enabled=true) is not covered by the zero-advantage "
        "filter yet; it trains on every row")
 
 
-def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``train(data, loss_fn, eval_mode=False, ...)`` of the Megatron worker: a note (``"auto"``) or an error."""
+def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)``: a note (``"auto"``) or an error (``True``) for a Megatron policy."""
     options = api.active_options(FRAMEWORK)
-    call = arguments(wrapped, args, kwargs)
-    policy_gradient = type(call["loss_fn"]).__name__ == "ClippedPGLossFn" and "advantages" in call["data"]
-    if options is not None and options.zero_advantage_filter is not False and policy_gradient \
-            and not call["eval_mode"]:
+    config = arguments(wrapped, args, kwargs)["master_config"]
+    if options is not None and options.zero_advantage_filter is not False \
+            and setting(config, "policy.megatron_cfg.enabled", False):
         # refuse-or-note
         if api.strict(FRAMEWORK, "zero_advantage_filter"):
             raise IncompatibleOptionsError(f"zero_advantage_filter=True: {WHY}. Use the DTensor worker or pass "
-                                           "zero_advantage_filter=False (or 'auto') in GRPO_PATCHES_OPTIONS")
-        api.note(FRAMEWORK, "zero_advantage_filter", f"off: {WHY}", owner=instance)
+                                           "zero_advantage_filter=False (or 'auto') to grpo_patches")
+        api.note(FRAMEWORK, "zero_advantage_filter", f"off: {WHY}")
     return wrapped(*args, **kwargs)
