@@ -8,7 +8,9 @@ Ray workers, which get grpo_patches through the start-up directory (``grpo-patch
 
 Driver:
 
-- ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`).
+- ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`); with a
+  Megatron policy (``zero_advantage_filter``): the filter does not cover that worker yet, a note
+  or an error (:mod:`.filter_megatron`).
 - ``Policy.__init__``, ``Policy.get_reference_policy_logprobs`` (V05, V06; ``logprob_skip``):
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
 - ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
@@ -90,6 +92,8 @@ PATCHES = (
     # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
     PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter:metrics_only_forward_wrapper",
                 versions=V06_UP, option=FILTER),
+    # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),
 )
 
 #: options with no effect of their own in NeMo-RL, and what they do here instead (status() notes)

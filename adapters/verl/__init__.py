@@ -7,6 +7,9 @@ the line whose internals it wraps. Records on one attribute stack in table order
   filter (:mod:`.legacy_filter`).
 - engine (``verl.workers.engine.fsdp.transformer_impl``): the zero-advantage filter
   (:mod:`.engine_filter`).
+- Megatron engine (``verl.workers.engine.megatron.transformer_impl``): the same filter with
+  Megatron's pipeline schedule and per-token loss (:mod:`.filter_megatron`), the reference
+  placeholder and on-policy entropies, the tiled loss's note (:mod:`.tiled_megatron`).
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), placeholders for its readers.
 - old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass; the 0.7.x
@@ -40,6 +43,7 @@ OLD_SKIP = ">=0.7,<0.8"
 #: verl versions whose engine worker substitutes the skipped old log-probs (the worker-side records)
 ENGINE_OLD_SKIP = ENGINE
 ENGINE_WORKERS = "verl.workers.engine_workers"
+MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 #: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes the role mapping
 #: that ``TaskRunner.add_ref_policy_worker`` fills: that method is wrapped instead).
 _NEED_REFERENCE = (
@@ -101,6 +105,19 @@ PATCHES = (
                 versions=OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
+    # Megatron engine (0.8+): the filter innermost, then the reference placeholder, the on-policy
+    # entropies (old_logprobs_engine's collector has forward_backward_batch's call shape) and the tiled note
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
+                f"{_HERE}.filter_megatron:forward_backward_batch", versions=ENGINE, option="zero_advantage_filter"),
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngineWithLMHead.postprocess_micro_batch_func",
+                f"{_HERE}.filter_megatron:postprocess_micro_batch_func", versions=ENGINE,
+                option="zero_advantage_filter"),
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
+                f"{_HERE}.filter_megatron:reference_forward_backward_batch", versions=ENGINE, option="logprob_skip"),
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
+                f"{_HERE}.old_logprobs_engine:forward_step", versions=ENGINE_OLD_SKIP, option="logprob_skip"),
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
+                f"{_HERE}.tiled_megatron:forward_backward_batch", versions=ENGINE, option="tiled_loss"),
     # tiled loss: outside the filter on update_policy (verl's on-policy rule counts the unfiltered mini-batches)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
                 versions=LEGACY, option="tiled_loss"),

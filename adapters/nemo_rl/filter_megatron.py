@@ -1,0 +1,36 @@
+"""The zero-advantage filter with NeMo-RL's Megatron policy worker: not covered yet, never silently.
+
+With ``policy.megatron_cfg.enabled`` NeMo-RL trains in ``MegatronPolicyWorker(Impl)``, on its own
+micro-batches: no filter record of the DTensor worker reaches it. ``grpo.setup`` (driver, wrapped)
+sees the config before any worker exists: ``"auto"`` says so in ``status()``, ``True`` raises one
+clear error before training (compat/README.md, "NeMo-RL's Megatron worker", says what a filter
+there needs). Nothing is imported from the Megatron worker (it needs Megatron-Bridge).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+from grpo_patches.errors import IncompatibleOptionsError
+
+from .calls import arguments
+from .settings import setting
+from .state import FRAMEWORK
+
+WHY = ("NeMo-RL's Megatron policy worker (policy.megatron_cfg.enabled=true) is not covered by the zero-advantage "
+       "filter yet; it trains on every row")
+
+
+def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)``: a note (``"auto"``) or an error (``True``) for a Megatron policy."""
+    options = api.active_options(FRAMEWORK)
+    config = arguments(wrapped, args, kwargs)["master_config"]
+    if options is not None and options.zero_advantage_filter is not False \
+            and setting(config, "policy.megatron_cfg.enabled", False):
+        # refuse-or-note
+        if api.strict(FRAMEWORK, "zero_advantage_filter"):
+            raise IncompatibleOptionsError(f"zero_advantage_filter=True: {WHY}. Use the DTensor worker or pass "
+                                           "zero_advantage_filter=False (or 'auto') to grpo_patches")
+        api.note(FRAMEWORK, "zero_advantage_filter", f"off: {WHY}")
+    return wrapped(*args, **kwargs)

@@ -1,0 +1,139 @@
+"""Zero-advantage filter for verl's Megatron engine (0.8.0+): ``MegatronEngine.forward_backward_batch``.
+
+verl's Megatron engine computes the loss denominators exactly as its FSDP engine does (the
+unfiltered ``batch_num_tokens`` all-reduced over DP, the trainer's ``global_batch_size``), then
+makes micro-batches with ``same_micro_num_in_dp=True`` and runs Megatron's pipeline schedule.
+``postprocess_micro_batch_func`` multiplies each micro-batch's loss by the micro-batch count
+and Megatron's schedule divides it by the same count, so the filtered update (fewer
+micro-batches) still sums the kept rows' global-denominator losses: :mod:`.engine_filter`
+does the filtering, unchanged. What Megatron adds:
+
+* **pipeline and tensor parallelism**: every rank of a model-parallel group holds the same
+  rows (verl dispatches one DP shard to the whole group), so the hook's decision, the kept
+  rows and the micro-batch count are the same on every stage and TP rank; the DP ranks agree
+  through the hook (the same kept-row count everywhere) and verl's own micro-batch sync;
+* **per-token loss** (``calculate_per_token_loss``, on with context parallelism): Megatron
+  divides every gradient by the token count the micro-batches report, accumulated and
+  all-reduced over DP. The filter keeps that count unfiltered: ``routed_num_tokens`` (verl's
+  global count) keeps its unfiltered value, and the first micro-batch of each rank also
+  reports the tokens of that rank's dropped rows (:func:`postprocess_micro_batch_func`);
+* **not covered yet** (``"auto"`` switches the filter off with the reason in ``status()``,
+  ``True`` raises): context parallelism, dynamic context parallelism, virtual pipeline stages,
+  expert parallelism / MoE routers (their aux loss gives every token a gradient),
+  multi-token prediction, and ``dropped_rows_metrics=True`` (no no-grad forward path here).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+from grpo_patches import api
+
+from . import engine_filter
+from .decide import filter_mode
+
+#: (unfiltered global routed tokens, this rank's dropped routed tokens still to report) during a filtered update.
+_ROUTED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_routed", default=None)
+#: Marks the stand-in output of a pipeline stage that is not the last (verl returns ``{}`` there).
+_NOT_LAST_STAGE = "grpo_patches_not_last_stage"
+
+
+def _on_every_stage(engine_wrapper: Callable[..., Any], wrapped: Callable[..., Any], instance: Any, args: tuple,
+                    kwargs: dict) -> Any:
+    """Run a wrapper written for the FSDP engine's ``forward_backward_batch`` (it edits
+    ``output["metrics"]``) on every pipeline stage: the stages before the last return ``{}``."""
+
+    def run(*a: Any, **kw: Any) -> Any:
+        output = wrapped(*a, **kw)
+        return output if output else {"metrics": {}, _NOT_LAST_STAGE: True}
+
+    output = engine_wrapper(run, instance, args, kwargs)
+    return {} if output.get(_NOT_LAST_STAGE) else output
+
+
+def reference_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """:func:`.reference.forward_backward_batch` (the placeholder at KL coefficient 0) on every stage."""
+    from . import reference
+
+    return _on_every_stage(reference.forward_backward_batch, wrapped, instance, args, kwargs)
+
+
+def megatron_problems(engine: Any) -> tuple[str, ...]:
+    """Engine settings the filter does not cover on Megatron yet (each one named)."""
+    engine_config, tf_config = engine.engine_config, getattr(engine, "tf_config", None)
+    problems = []
+    options = api.active_options("verl")
+    if options is not None and options.dropped_rows_metrics:
+        problems.append("dropped_rows_metrics=True is not available on verl's Megatron engine yet (no no-grad "
+                        "forward for the dropped rows); pass dropped_rows_metrics=False")
+    for name, what in (("context_parallel_size", "context parallelism"),
+                       ("expert_model_parallel_size", "expert parallelism"),
+                       ("virtual_pipeline_model_parallel_size", "virtual pipeline stages")):
+        if int(getattr(engine_config, name, 1) or 1) > 1:
+            problems.append(f"megatron.{name}={getattr(engine_config, name)} ({what}) is not covered yet")
+    if getattr(engine_config, "dynamic_context_parallel", False):
+        problems.append("megatron.dynamic_context_parallel=True is not covered yet")
+    if tf_config is not None and (getattr(tf_config, "num_moe_experts", None) or 0) > 0:
+        problems.append("a mixture-of-experts model: its router aux loss gives zero-advantage rows a gradient")
+    model_config = getattr(engine, "model_config", None)
+    mtp = getattr(model_config, "mtp", None)
+    if mtp is not None and getattr(mtp, "enable", False):
+        problems.append("multi-token prediction (model.mtp.enable=True) is not covered yet")
+    return tuple(problems)
+
+
+def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``MegatronEngine.forward_backward_batch(data, loss_function, forward_only)``."""
+    data, loss_function, forward_only = engine_filter._bind(*args, **kwargs)
+    config = engine_filter.actor_config_of(loss_function)
+    if instance is None or forward_only or config is None or "advantages" not in data.keys():
+        return wrapped(*args, **kwargs)
+    problems = (*engine_filter._problems(config, data), *megatron_problems(instance))
+    if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; engine_filter reads it
+        return wrapped(*args, **kwargs)
+    per_token = bool(getattr(getattr(instance, "tf_config", None), "calculate_per_token_loss", False))
+    if not per_token or not hasattr(instance, "_routed_num_tokens"):  # 0.8.0 has no per-token loss path
+        return _on_every_stage(engine_filter.forward_backward_batch, wrapped, instance, args, kwargs)
+
+    routed = _global_routed_tokens(instance, data)
+    unfiltered_local = int(instance._routed_num_tokens(data))
+
+    def run_with_unfiltered_token_counts(filtered: Any, loss: Any, only: bool) -> Any:
+        pending = unfiltered_local - int(instance._routed_num_tokens(filtered))
+        token = _ROUTED.set([routed, pending])
+        try:
+            return wrapped(filtered, loss, only)
+        finally:
+            _ROUTED.reset(token)
+
+    return _on_every_stage(engine_filter.forward_backward_batch, run_with_unfiltered_token_counts, instance, args,
+                           kwargs)
+
+
+def _global_routed_tokens(engine: Any, data: Any) -> int:
+    """verl's ``routed_num_tokens`` of the unfiltered mini-batch (all-reduced over DP, as verl does)."""
+    import torch
+
+    count = engine._routed_num_tokens(data).clone().reshape(())
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, group=engine.get_data_parallel_group())
+    return int(count.item())
+
+
+def postprocess_micro_batch_func(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``MegatronEngineWithLMHead.postprocess_micro_batch_func(output, data, ...)``: under a
+    per-token loss, the unfiltered global ``routed_num_tokens`` and, once per rank, the dropped rows' tokens."""
+    state = _ROUTED.get()
+    if state is None:
+        return wrapped(*args, **kwargs)
+    from verl.utils import tensordict_utils as tu
+
+    data = kwargs["data"] if "data" in kwargs else args[1]
+    tu.assign_non_tensor(data, routed_num_tokens=state[0])
+    result = wrapped(*args, **kwargs)
+    if isinstance(result, tuple) and len(result) == 3 and state[1]:
+        loss_sum, num_tokens, output = result
+        num_tokens = num_tokens + state[1]  # Megatron sums these over micro-batches and DP ranks
+        state[1] = 0
+        result = (loss_sum, num_tokens, output)
+    return result

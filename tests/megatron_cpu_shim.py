@@ -1,0 +1,191 @@
+"""megatron-core on a CPU with gloo (tests only: nothing here ships, no megatron function is copied).
+
+megatron-core places every buffer on ``torch.cuda.current_device()`` (or ``device="cuda"``),
+forks a CUDA RNG state around tensor-parallel weight initialisation and dropout, and its
+bridges build Transformer Engine layers. On a CPU machine:
+
+* :class:`CudaToCpu`, a torch function mode, sends every ``"cuda"`` placement (``device=``,
+  ``.to("cuda")``, ``.cuda()``) to the CPU; ``torch.cuda.current_device()`` answers 0, which
+  the mode maps to the CPU as well (so ``GlobalMemoryBuffer.get_tensor`` allocates there);
+* ``CudaRNGStatesTracker.fork`` is a no-op context and ``add`` remembers the name only (there is
+  no CUDA generator; dropout is 0 in the tests, so no random stream is consumed);
+* the bridges' layer spec is megatron-core's local one (``use_transformer_engine=False``):
+  mbridge asks for Transformer Engine layers unconditionally (:func:`mbridge_local_layers`).
+
+Call :func:`install` before megatron-core builds anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.compat_nemo_rl.harness import _cpu  # "cuda", torch.device("cuda"), a device index -> the CPU
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Every CUDA placement of a torch call goes to the CPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = tuple(_cpu(a) for a in args)
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """The one "stream" of a CPU: everything is already ordered (a class: libraries annotate with it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_MODE: list[CudaToCpu] = []
+
+
+def install() -> None:
+    """Install the shim once per process (idempotent)."""
+    if _MODE:
+        return
+    mode = CudaToCpu()
+    mode.__enter__()  # for the whole process: megatron allocates at import, build and step time
+    _MODE.append(mode)
+    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    for name, value in (("current_device", 0), ("device_count", 1), ("synchronize", None), ("empty_cache", None),
+                        ("set_device", None), ("get_device_name", "cpu-shim"), ("memory_allocated", 0),
+                        ("max_memory_allocated", 0), ("memory_reserved", 0), ("max_memory_reserved", 0),
+                        ("reset_peak_memory_stats", None), ("manual_seed", None), ("manual_seed_all", None)):
+        setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    stream = _Stream()
+    torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: stream  # type: ignore[assignment]
+    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    with contextlib.suppress(Exception):  # CUDA wheels have NVTX; keep it from touching a driver
+        torch.cuda.nvtx.range_push = lambda *a, **k: None
+        torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    _rng_tracker()
+
+
+def _rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    tracker = mcore_random.CudaRNGStatesTracker
+
+    @contextlib.contextmanager
+    def fork(self: Any, name: str = "model-parallel-rng") -> Any:
+        yield
+
+    def add(self: Any, name: str, seed: int) -> None:
+        self.states_[name] = None
+        self.seeds_.add(seed)
+
+    tracker.fork = fork
+    tracker.add = add
+
+
+def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """megatron-core's local (no Transformer Engine) GPT block spec for ``config``."""
+    import inspect
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    extra = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters else {}
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, **extra)
+
+
+def mbridge_model_type() -> None:
+    """mbridge 0.15.1 compares with ``ModelType.encoder_and_decoder``, which megatron-core 0.19 removed
+    (only ``encoder_or_decoder`` is left): its module gets a ``ModelType`` with both names (CPU and GPU)."""
+    import types
+
+    from mbridge.core import util as mbridge_util
+
+    if not hasattr(mbridge_util.ModelType, "encoder_and_decoder"):
+        mbridge_util.ModelType = types.SimpleNamespace(encoder_or_decoder=mbridge_util.ModelType.encoder_or_decoder,
+                                                       encoder_and_decoder=object())
+
+
+def mbridge_local_layers() -> None:
+    """mbridge builds Transformer Engine layers unconditionally: build the local ones instead."""
+    from mbridge.core.llm_bridge import LLMBridge
+
+    mbridge_model_type()
+
+    def _get_transformer_layer_spec(self: Any, vp_stage: int | None = None) -> Any:
+        self.has_vp_stage = True
+        return local_layer_spec(self.config, vp_stage)
+
+    LLMBridge._get_transformer_layer_spec = _get_transformer_layer_spec
+    _te_weight_names(LLMBridge)
+    _causal_local_attention()
+
+
+def _causal_local_attention() -> None:
+    """verl's BSHD layout hands the model a 2-D ``[batch, seq]`` padding mask (Transformer Engine's
+    convention); the local ``DotProductAttention`` wants ``[batch, 1, seq, seq]``. Rows are
+    right-padded and attention is causal, so a real token never sees padding: the local attention
+    gets no mask and builds its causal one (padding positions' outputs are never read)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.forward
+    if getattr(original, "_grpo_patches_causal", False):
+        return
+
+    def forward(self: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = None
+        return original(self, query, key, value, attention_mask, *args, **kwargs)
+
+    forward._grpo_patches_causal = True  # type: ignore[attr-defined]
+    DotProductAttention.forward = forward
+
+
+#: The local spec's norm weights and the Transformer Engine names (norm fused into the next linear)
+#: that mbridge's weight maps know.
+_LOCAL_TO_TE = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+                (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"))
+
+
+def _te_name(name: str) -> str:
+    for local, te in _LOCAL_TO_TE:
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
+def _te_weight_names(bridge_class: type) -> None:
+    """mbridge's methods that read a megatron weight name see the Transformer Engine name."""
+    import functools
+
+    for method in ("_weight_name_mapping_mcore_to_hf", "_weight_to_mcore_format", "_weight_to_hf_format",
+                   "_weight_merge_across_tp", "_weight_split_across_tp"):
+        original = getattr(bridge_class, method, None)
+        if original is None or getattr(original, "_grpo_patches_te_names", False):
+            continue
+
+        @functools.wraps(original)
+        def renamed(self: Any, name: str, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return _original(self, _te_name(name), *args, **kwargs)
+
+        renamed._grpo_patches_te_names = True  # type: ignore[attr-defined]
+        setattr(bridge_class, method, renamed)
