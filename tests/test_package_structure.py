@@ -34,6 +34,7 @@ KNOWN_CYCLES = {
 #: (importing module, imported module, name).
 KNOWN_PRIVATE_IMPORTS = {
     ("grpo_patches.adapters.verl.reference", "grpo_patches.adapters.verl.engine_filter", "_bind"),
+    ("grpo_patches.adapters.verl.tiled_megatron", "grpo_patches.adapters.verl.engine_filter", "_bind"),
     ("grpo_patches.adapters.verl.old_logprobs", "grpo_patches.adapters.verl.reference", "_get"),
     ("grpo_patches.adapters.verl.old_logprobs_engine", "grpo_patches.adapters.verl.old_logprobs", "_gather"),
     ("grpo_patches.adapters.verl.engine_nograd", "grpo_patches.adapters.verl.engine_filter", "_SUBSET"),
