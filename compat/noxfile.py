@@ -122,7 +122,7 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     if "--install-only" in sys.argv:  # preparing the venv (e.g. for benchmarks/frameworks.py): no result
         return
     _record(cell, tier, status="ran", installed={k: versions.get(k) for k in ("torch", "transformers", cell.framework)},
-            **({"venv": ready} if ready else {}))
+            **({"venv": f"${cell.venv_env}"} if ready else {}))  # the variable: no path of this machine
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                 *cell.tests_for(tier), *session.posargs, env=env, external=False)
 

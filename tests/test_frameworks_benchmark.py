@@ -137,7 +137,7 @@ def test_the_written_command_names_no_path_outside_the_checkout(monkeypatch):
     monkeypatch.delenv("AUTOMODEL_SRC", raising=False)
     monkeypatch.chdir(frameworks.ROOT)
     line = frameworks.command_line(["--rounds", "5", "--python", "verl=compat/.nox/cpu-verl-0-7-1/bin/python",
-                                    "nemo_rl=/opt/venvs/nemo/bin/python"])
+                                    "nemo_rl=/elsewhere/nemo/bin/python"])
     assert line == ("NEMO_RL_SRC=<clone> bash scripts/run frameworks --rounds 5 --python "
                     "verl=compat/.nox/cpu-verl-0-7-1/bin/python nemo_rl=<outside the checkout>")
 
