@@ -1,6 +1,6 @@
 """The core never imports a framework: every module of ``grpo_patches`` except the demo
 sub-package (which trains with TRL) imports without trl, transformers or any other framework,
-and none of them imports the demo sub-package, save the command line (for the demo's defaults).
+and none of them imports the demo sub-package, save the command line (which runs the demo).
 """
 
 from __future__ import annotations
