@@ -21,9 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The versions each runner (``fw_<name>.py``) runs, within the adapter's supported range;
@@ -89,6 +86,9 @@ def probe(python: str) -> dict | None:
 def choose(name: str, candidates: list[Interpreter], supported: str) -> tuple[Interpreter | None, str]:
     """The candidate with the newest ``name`` version in ``supported`` (the adapter's range) and
     :data:`RUNS` (the runner's); the earlier candidate on a tie. Returns it (or None) and why."""
+    from packaging.specifiers import SpecifierSet  # here: frameworks.py may start in a Python without it
+    from packaging.version import Version
+
     allowed = SpecifierSet(supported) & SpecifierSet(RUNS[name])
     usable = [c for c in candidates if c.version is not None and allowed.contains(Version(c.version), prereleases=True)]
     if usable:
