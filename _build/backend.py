@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import warnings
 import zipfile
 
 from setuptools import build_meta as _orig
@@ -39,6 +40,15 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    name = _orig.build_editable(wheel_directory, config_settings, metadata_directory)
+    from setuptools.warnings import InformationOnly
+
+    with warnings.catch_warnings():
+        # adapters/ installs as grpo_patches.adapters, so setuptools maps the packages with an
+        # import finder and notes that a folder named like a package in the working directory
+        # may shadow it. The only such folder is grpo_patches/ of this checkout, the very source
+        # the editable install points at: nothing to act on, and pip would print it on every
+        # `bash scripts/run` that (re)creates .venv.
+        warnings.filterwarnings("ignore", message=r"Editable installation\.", category=InformationOnly)
+        name = _orig.build_editable(wheel_directory, config_settings, metadata_directory)
     _add_pth(os.path.join(wheel_directory, name))
     return name

@@ -21,7 +21,10 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = ("| framework | trainer code | trainer side s/step off → on | ratio | CPU-s ratio | generation s/step | "
             "old-logprob passes | reference passes | rows dropped | peak RSS MB | max abs Δ final weights |")
     lines = [f"Measured {meta['date']}, {meta['rounds']} round(s), {meta['cpu_count']} CPU cores: {meta['workload']}.",
-             f"Command: `{meta['command']}`.", "", head, "|" + "---|" * (head.count("|") - 1)]
+             f"Command: `{meta['command']}`."]
+    if meta.get("interpreters"):
+        lines.append("Interpreters: " + "; ".join(meta["interpreters"].values()) + ".")
+    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         name = NAMES.get(r["framework"], r["framework"])
         if r["status"] != "ok":

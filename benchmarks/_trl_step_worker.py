@@ -2,7 +2,7 @@
 
 Run by ``trl_step.py`` as ``python benchmarks/_trl_step_worker.py '<json spec>'``; writes one
 JSON result to ``spec["result_path"]``: per optimizer step, the seconds of each component
-(:mod:`grpo_patches.step_timer`), rows through TRL's log-prob method, the loss and grad norm of
+(:mod:`grpo_patches.demo.step_timer`), rows through TRL's log-prob method, the loss and grad norm of
 every step, and the savings grpo_patches reported.
 
 Generation is replaced by fixed completions (TRL's ``rollout_func``): every completion is
@@ -25,7 +25,7 @@ from typing import Any
 
 
 def _fixed_rollouts(tokenizer: Any, completion_tokens: int) -> Any:
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     first_word = len(tiny_model.SPECIAL_TOKENS)
     words = len(tiny_model.WORDS)
@@ -66,8 +66,9 @@ def run(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import grpo_patches
-    from grpo_patches import savings, tiny_model
-    from grpo_patches.step_timer import StepTimer
+    from grpo_patches import savings
+    from grpo_patches.demo import tiny_model
+    from grpo_patches.demo.step_timer import StepTimer
 
     timer = StepTimer()
     timer.install(GRPOTrainer)  # beneath the patches: counts only forwards that really run

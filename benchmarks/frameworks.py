@@ -1,8 +1,11 @@
 """The same GRPO workload through every installed framework, patches off and on, side by side.
 
-    python benchmarks/frameworks.py                   # every framework found, 3 rounds (the README numbers)
-    python benchmarks/frameworks.py --quick           # smoke run: smaller model, fewer steps, 1 round
-    python benchmarks/frameworks.py --python verl=/path/to/venv/bin/python --frameworks verl
+    bash scripts/run frameworks                  # the newest installed version of each framework, 5 rounds
+    bash scripts/run frameworks --quick          # smoke run: smaller model, fewer steps, 1 round
+    bash scripts/run frameworks --frameworks verl --python verl=compat/.nox/cpu-verl-0-7-1/bin/python
+
+(``python benchmarks/frameworks.py ...`` runs the same: started by a Python without the
+project's packages it re-runs itself with ``.venv``'s, and says how to make that one.)
 
 The workload (``workload.py``): one tiny Qwen2, the same prompts and reward (75 % of rows with
 advantage exactly 0), SGD. Each framework runs its own trainer code on it (``fw_<name>.py``
@@ -14,19 +17,23 @@ the same round (median), old-logprob and reference passes, rows dropped from the
 RSS, and the largest final-weight difference patched vs unpatched. Writes ``frameworks.md``,
 ``frameworks.json`` and ``frameworks.png`` (one panel per metric) to ``--out-dir``.
 
-A framework's interpreter is ``--python NAME=PATH``, else ``$GRPO_BENCH_PYTHON_<NAME>``, else
-its newest compat venv (``compat/.nox/cpu-<name>-*``, made by ``bash scripts/run compat
-<name> --install-only``), else (TRL only) this interpreter. NeMo-RL runs from the checkouts
-in ``$NEMO_RL_SRC`` / ``$AUTOMODEL_SRC``: the tag ``--nemo-rl-tag`` (else ``$NEMO_RL_TAG``, else
-v0.6.0) is exported from them by compat/sources.py and put on its ``PYTHONPATH``; give the
-interpreter that tag needs (a v0.6.0 Python 3.11 venv, a v0.7.0 / main Python 3.13 one). A
-framework that is not found becomes a "not run" row with the reason.
+Interpreters (``_interpreters.py``): ``--python NAME=PATH``, else ``$GRPO_BENCH_PYTHON_<NAME>``,
+else the newest version of the framework that the adapter supports and the runner runs, among
+this interpreter (the project's ``.venv``) and the compat venvs (``compat/.nox/``, made by
+``bash scripts/run compat [TAG]``); each run's interpreter and where it came from are printed
+and written into the report. NeMo-RL runs from the clones in ``$NEMO_RL_SRC`` /
+``$AUTOMODEL_SRC``: a tag (``--nemo-rl-tag``, else ``$NEMO_RL_TAG``, else the newest the
+runner runs that has an interpreter) is exported from them by compat/sources.py onto its
+``PYTHONPATH``; its interpreter is that tag's compat venv (``NEMO_RL_SRC=... AUTOMODEL_SRC=...
+bash scripts/run compat nemo_rl --install-only`` makes them). A framework that is not found
+becomes a "not run" row with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import socket
@@ -42,60 +49,83 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _frameworks_report as report  # noqa: E402
+import _interpreters as interpreters  # noqa: E402
 import workload  # noqa: E402
 
 FRAMEWORKS = {"trl": "trl", "verl": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
+#: What this process needs itself (the runs have their own interpreters): the project's packages.
+OWN_NEEDS = ("grpo_patches", "torch", "tqdm", "packaging")
+DEFAULTS = {"rounds": 5, "timeout": 1800, "out_dir": HERE / "results"}
 
 
-def find_python(name: str, given: dict[str, str]) -> tuple[str | None, str]:
-    """The interpreter for ``name`` and where it came from (or None and why not)."""
-    candidates = []
-    if name in given:
-        candidates.append((given[name], "--python"))
-    if os.environ.get(f"GRPO_BENCH_PYTHON_{name.upper()}"):
-        candidates.append((os.environ[f"GRPO_BENCH_PYTHON_{name.upper()}"], f"$GRPO_BENCH_PYTHON_{name.upper()}"))
-    venvs = sorted(ROOT.glob(f"compat/.nox/cpu-{name.replace('_', '-')}-*/bin/python"),
-                   key=lambda p: [int(x) if x.isdigit() else x for x in p.parent.parent.name.split("-")])
-    candidates += [(str(p), "compat venv") for p in reversed(venvs)]
-    if name == "trl":
-        candidates.append((sys.executable, "this interpreter"))
-    why = "no interpreter (give --python, $GRPO_BENCH_PYTHON_<NAME>, or make its compat venv)"
-    for python, origin in candidates:
-        try:
-            probe = subprocess.run([python, "-c", f"import grpo_patches, {FRAMEWORKS[name]}"], capture_output=True,
-                                   text=True, env=_env(name), cwd=HERE)
-        except OSError as e:
-            why = f"{python} ({origin}): {e.strerror}"
-            continue
-        if probe.returncode == 0:
-            return python, origin
-        why = f"{python} ({origin}): {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'fails'}"
-    return None, why
+def ensure_project_interpreter(python: str = sys.executable) -> None:
+    """Re-run with the project's ``.venv`` when this Python lacks :data:`OWN_NEEDS`; without one,
+    exit saying how to make it."""
+    missing = [m for m in OWN_NEEDS if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    venv = ROOT / ".venv" / "bin" / "python"
+    if venv.exists() and os.path.abspath(python) != str(venv) and not os.environ.get("GRPO_BENCH_REEXEC"):
+        print(f"frameworks.py: {python} lacks {', '.join(missing)}: running with {interpreters.shown(venv)}",
+              file=sys.stderr, flush=True)
+        os.execve(str(venv), [str(venv), __file__, *sys.argv[1:]], {**os.environ, "GRPO_BENCH_REEXEC": "1"})
+    raise SystemExit(f"frameworks.py needs the project's environment ({', '.join(missing)} missing here): run it as "
+                     "`bash scripts/run frameworks [args]`, which creates .venv on first use")
 
 
-def _env(name: str | None = None) -> dict[str, str]:
+def nemo_rl_tags() -> list[tuple[str, str]]:
+    """NeMo-RL's tags in the compat matrix with the version the adapter reads from each, newest first."""
+    from packaging.version import Version
+
+    sys.path.insert(0, str(ROOT / "compat"))
+    import matrix
+
+    cells = [c for c in matrix.load() if c.framework == "nemo_rl"]
+    return sorted(((c.version, c.adapter_version) for c in cells), key=lambda t: Version(t[1]), reverse=True)
+
+
+def find_python(name: str, given: dict[str, str], nemo_rl_tag: str | None = None) -> tuple[Any, str]:
+    """The interpreter for ``name`` (an :class:`_interpreters.Interpreter`, or None) and where it
+    came from (or why there is none). The chosen one must import grpo_patches and the framework."""
+    from grpo_patches import registry
+
+    if name == "nemo_rl" and not os.environ.get("NEMO_RL_SRC"):
+        return None, "no NeMo-RL checkout: set NEMO_RL_SRC (and AUTOMODEL_SRC) to clones (compat/README.md)"
+    pool = interpreters.candidates(name, given, nemo_rl_tags() if name == "nemo_rl" else [], nemo_rl_tag, ROOT)
+    reasons = []
+    while True:
+        chosen, why = interpreters.choose(name, pool, registry.get(name).supported)
+        if chosen is None:
+            return None, "; ".join([*reasons, why])
+        check = subprocess.run([chosen.python, "-c", f"import grpo_patches, {FRAMEWORKS[name]}"], capture_output=True,
+                               text=True, env=_env(name, chosen.tag), cwd=HERE)
+        if check.returncode == 0:
+            return chosen, chosen.origin
+        last = check.stderr.strip().splitlines()[-1] if check.stderr.strip() else "fails"
+        reasons.append(f"{name} {chosen.version} in {chosen.origin} does not import: {last}")
+        pool = [c for c in pool if c is not chosen]
+
+
+def _env(name: str | None = None, tag: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("GRPO_PATCHES", "GRPO_PATCHES_OPTIONS")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    source = _source_path(name)
+    source = _source_path(name, tag)
     if source:
         env["PYTHONPATH"] = os.pathsep.join(source + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 
-NEMO_RL_TAG = os.environ.get("NEMO_RL_TAG", "v0.6.0")  # --nemo-rl-tag
-
-
-def _source_path(name: str | None) -> list[str]:
+def _source_path(name: str | None, tag: str | None) -> list[str]:
     """``PYTHONPATH`` entries of a framework run from a source checkout (NeMo-RL: the tag's export)."""
-    if name != "nemo_rl" or not os.environ.get("NEMO_RL_SRC"):
+    if name != "nemo_rl" or tag is None or not os.environ.get("NEMO_RL_SRC"):
         return []
     sys.path.insert(0, str(ROOT / "compat"))
     import matrix
     import sources
 
-    cell = next((c for c in matrix.load() if c.framework == name and c.version == NEMO_RL_TAG), None)
+    cell = next((c for c in matrix.load() if c.framework == name and c.version == tag), None)
     if cell is None:
-        raise SystemExit(f"--nemo-rl-tag {NEMO_RL_TAG}: not a NeMo-RL tag of compat/matrix.toml")
+        raise SystemExit(f"--nemo-rl-tag {tag}: not a NeMo-RL tag of compat/matrix.toml")
     return [str(p) for p in sources.prepare_source(cell)]
 
 
@@ -105,9 +135,10 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def run_one(python: str, name: str, patched: bool, spec: dict, weights: Path, timeout: int) -> dict[str, Any]:
-    args = [python, str(HERE / "_framework_worker.py"), name, str(int(patched)), json.dumps(spec), str(weights)]
-    env = {**_env(name), "MASTER_PORT": _port(), "OMP_NUM_THREADS": str(spec["threads"])}
+def run_one(python: Any, name: str, patched: bool, spec: dict, weights: Path, timeout: int) -> dict[str, Any]:
+    """One run in ``python`` (an :class:`_interpreters.Interpreter`)."""
+    args = [python.python, str(HERE / "_framework_worker.py"), name, str(int(patched)), json.dumps(spec), str(weights)]
+    env = {**_env(name, python.tag), "MASTER_PORT": _port(), "OMP_NUM_THREADS": str(spec["threads"])}
     try:
         proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=HERE, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -160,25 +191,36 @@ def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS))
-    p.add_argument("--python", nargs="+", default=[], metavar="NAME=PATH", help="a framework's interpreter")
-    p.add_argument("--rounds", type=int, default=3, help="round-robin repetitions (median)")
-    p.add_argument("--steps", type=int, help=f"optimizer steps per run (default {workload.SPEC['steps']})")
-    p.add_argument("--quick", action="store_true", help="smaller model, fewer steps, 1 round")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
-    p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--nemo-rl-tag", default=NEMO_RL_TAG, help="NeMo-RL tag to export from $NEMO_RL_SRC")
+    p = argparse.ArgumentParser(prog="bash scripts/run frameworks", description=__doc__.split("\n")[0] + (
+        " Each framework runs in the interpreter holding the newest version its adapter supports and its runner "
+        "runs, among the project's .venv and the compat venvs (compat/.nox/), unless --python names one."))
+    p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS),
+                   help="which frameworks (default: all three; those without an interpreter become 'not run' rows)")
+    p.add_argument("--python", nargs="+", default=[], metavar="NAME=PATH",
+                   help="a framework's interpreter, e.g. verl=compat/.nox/cpu-verl-0-7-1/bin/python (default: "
+                        "$GRPO_BENCH_PYTHON_<NAME>, else the newest supported version found)")
+    p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"],
+                   help=f"round-robin repetitions; medians over them (default: {DEFAULTS['rounds']}, the README's run)")
+    p.add_argument("--steps", type=int, default=workload.SPEC["steps"],
+                   help=f"optimizer steps per run, the first {workload.SPEC['warmup']} untimed "
+                        f"(default: {workload.SPEC['steps']})")
+    p.add_argument("--quick", action="store_true", help="smoke run: smaller model, fewer steps, 1 round")
+    p.add_argument("--timeout", type=int, default=DEFAULTS["timeout"],
+                   help=f"seconds per run before it counts as failed (default: {DEFAULTS['timeout']})")
+    p.add_argument("--out-dir", type=Path, default=DEFAULTS["out_dir"],
+                   help=f"where frameworks.{{md,json,png}} go (default: {interpreters.shown(DEFAULTS['out_dir'])})")
+    p.add_argument("--nemo-rl-tag", default=os.environ.get("NEMO_RL_TAG"),
+                   help="the NeMo-RL tag to export from $NEMO_RL_SRC (default: $NEMO_RL_TAG, else the newest tag "
+                        "the runner runs that has an interpreter)")
     args = p.parse_args(argv)
-    globals()["NEMO_RL_TAG"] = args.nemo_rl_tag
     given = {name: os.path.abspath(path) for name, path in (item.split("=", 1) for item in args.python)}
     spec = {**workload.SPEC, **(workload.QUICK if args.quick else {})}
-    if args.steps:
+    if args.steps != workload.SPEC["steps"]:
         spec["steps"] = args.steps
     rounds = 1 if args.quick else args.rounds
-    pythons = {name: find_python(name, given) for name in args.frameworks}
+    pythons = {name: find_python(name, given, args.nemo_rl_tag) for name in args.frameworks}
     for name, (python, origin) in pythons.items():
-        print(f"{name}: {python} ({origin})" if python else f"{name}: not run: {origin}", flush=True)
+        print(f"{name}: {python.version} from {origin}" if python else f"{name}: not run: {origin}", flush=True)
     active = [name for name, (python, _) in pythons.items() if python]
     runs: dict[str, list] = {name: [] for name in active}
     from tqdm import tqdm
@@ -199,10 +241,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise(name, spec, runs[name]) for name in active]
     rows += [{"framework": name, "status": f"not run: {origin}"} for name, (py, origin) in pythons.items() if not py]
     meta = {"date": datetime.date.today().isoformat(), "spec": spec, "rounds": rounds, "workload": workload.describe(spec),
-            "cpu_count": os.cpu_count(), "command": " ".join(["python benchmarks/frameworks.py", *(argv or sys.argv[1:])])}
+            "cpu_count": os.cpu_count(), "command": command_line(argv if argv is not None else sys.argv[1:]),
+            "interpreters": {name: f"{report.NAMES.get(name, name)} {py.tag or py.version}: {origin}"
+                             for name, (py, origin) in pythons.items() if py}}
     print(report.write(args.out_dir, meta, rows))
     return 0 if all(r["status"] == "ok" or r["status"].startswith("not run") for r in rows) else 1
 
 
+def command_line(argv: list[str]) -> str:
+    """The command as a reader can repeat it: paths inside the checkout relative to it, none outside."""
+    def portable(arg: str) -> str:
+        name, sep, value = arg.rpartition("=")
+        if value.startswith(("/", "~")) or os.sep in value:
+            value = interpreters.shown(os.path.expanduser(value))
+        return f"{name}{sep}{value}"
+
+    variables = " ".join(f"{v}=<clone>" for v in ("NEMO_RL_SRC", "AUTOMODEL_SRC") if os.environ.get(v))
+    return " ".join(filter(None, [variables, "bash scripts/run frameworks", *map(portable, argv)]))
+
+
 if __name__ == "__main__":
+    ensure_project_interpreter()
     sys.exit(main())

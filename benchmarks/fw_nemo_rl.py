@@ -84,7 +84,7 @@ def _no_pinned_memory() -> None:
 def _worker(tag: str, spec: dict[str, Any], reference: bool) -> Any:
     import torch
 
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
     from tests.compat_nemo_rl import harness
 
     rows = spec["prompts"] * spec["generations"]
@@ -220,7 +220,8 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     import torch
 
     import grpo_patches
-    from grpo_patches import registry, tiny_model
+    from grpo_patches import registry
+    from grpo_patches.demo import tiny_model
     from tests.nemo_worker_harness import make_loss
 
     if patched:

@@ -3,7 +3,7 @@
 ``steps_per_generation`` = ``gradient_accumulation_steps`` (TRL's default): one generation per
 optimizer step, so TRL itself computes no old log-probs, and ``beta=0`` (no reference model):
 the only trainer-side saving left is the zero-advantage filter. Times come from
-:class:`grpo_patches.step_timer.StepTimer` (installed beneath the patches, so a pass the
+:class:`grpo_patches.demo.step_timer.StepTimer` (installed beneath the patches, so a pass the
 patches skip costs nothing there); generation (sampling, rewards, advantages) is apart.
 Called by ``_framework_worker.py``.
 """
@@ -25,8 +25,9 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     import grpo_patches
-    from grpo_patches import savings, tiny_model
-    from grpo_patches.step_timer import StepTimer
+    from grpo_patches import savings
+    from grpo_patches.demo import tiny_model
+    from grpo_patches.demo.step_timer import StepTimer
 
     timer = StepTimer()
     timer.install(GRPOTrainer)  # beneath the patches: counts only the forwards that really run

@@ -106,7 +106,9 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     import torch.distributed as dist
     from importlib import metadata
 
-    from grpo_patches import api, tiny_model
+    from grpo_patches import api
+
+    from grpo_patches.demo import tiny_model
 
     version = metadata.version("verl")
     if tuple(int(x) for x in version.split(".")[:2]) >= (0, 8):

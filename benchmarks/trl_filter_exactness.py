@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' harne
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from grpo_patches import tiny_model  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
 from tests.trl_harness import train  # noqa: E402
 
 OFF = dict(recompute=False, logprob_skip=False, zero_advantage_filter=False, tiled_loss=False)

@@ -13,8 +13,11 @@ warm-up update on a few rows, then times one update of the whole batch and the p
 memory it added (VmHWM reset through ``/proc/self/clear_refs`` just before). Reported: medians
 and the ratios to ``fused`` and ``dense`` from the same run, as a table and JSON.
 
-    /work/venvs/verl-0.7.1/bin/python benchmarks/verl_tiled_loss.py          # the README numbers
-    python benchmarks/verl_tiled_loss.py --quick                             # a smoke run
+    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_tiled_loss.py   # the README numbers
+    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_tiled_loss.py --quick   # a smoke run
+
+(that interpreter: verl 0.7.1's compat venv, made by ``bash scripts/run compat``; any venv with
+verl 0.6-0.7 and grpo_patches will do.)
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ measurement is its own process (``--worker``), configurations run round-robin, e
 times one update after a small warm-up update. Reported: the median per configuration and the
 ratio patched / unpatched from the same run, as a table, JSON and a PNG chart.
 
-    /work/venvs/verl-0.7.1/bin/python benchmarks/verl_update.py             # the README numbers
-    python benchmarks/verl_update.py --quick                                  # a smoke run
+    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_update.py   # the README numbers
+    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_update.py --quick   # a smoke run
+
+(that interpreter: verl 0.7.1's compat venv, made by ``bash scripts/run compat``; any venv with
+verl 0.6-0.7 and grpo_patches will do.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one GRPO workload that ``benchmarks/frameworks.py`` runs through every framework.
 
-Same tiny model family (``grpo_patches.tiny_model``: a Qwen2 built from a config, word-level
+Same tiny model family (``grpo_patches.demo.tiny_model``: a Qwen2 built from a config, word-level
 tokenizer, fixed seed), same prompts, same reward, same rows per optimizer step, plain SGD
 (AdamW turns rounding noise into lr-sized steps and would hide whether the patched run is
 exact). The reward is constant within the groups of ``saturated`` prompts (every completion
@@ -34,7 +34,7 @@ QUICK: dict[str, Any] = {"hidden": 64, "layers": 2, "completion_tokens": 12, "st
 
 def prompt_texts(spec: dict[str, Any]) -> list[str]:
     """The prompts, in a fixed order (the first ``saturated`` of them have a constant reward)."""
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     return tiny_model.prompts(spec["prompts"], words_per_prompt=4, seed=spec["seed"])
 

@@ -46,11 +46,16 @@ def _gpu() -> bool:
     return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi"], capture_output=True).returncode == 0
 
 
-def _record(cell: Cell, tier: str, **fields: object) -> None:
+def _write_record(name: str, **fields: object) -> None:
+    """``compat/.results/<name>.json``, read with the junit report ``<name>.xml`` by report.py."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"framework": cell.framework, "version": cell.version, "tier": tier, "python": cell.python,
-              "date": datetime.date.today().isoformat(), **fields}
-    (RESULTS / f"{tier}-{cell.name}.json").write_text(json.dumps(record, indent=2))
+    record = {"date": datetime.date.today().isoformat(), **fields}
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
+
+
+def _record(cell: Cell, tier: str, **fields: object) -> None:
+    _write_record(f"{tier}-{cell.name}", framework=cell.framework, version=cell.version, tier=tier, python=cell.python,
+                  **fields)
 
 
 def _constraints(session: nox.Session, cell: Cell) -> str:
@@ -117,7 +122,7 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     if "--install-only" in sys.argv:  # preparing the venv (e.g. for benchmarks/frameworks.py): no result
         return
     _record(cell, tier, status="ran", installed={k: versions.get(k) for k in ("torch", "transformers", cell.framework)},
-            **({"venv": ready} if ready else {}))
+            **({"venv": f"${cell.venv_env}"} if ready else {}))  # the variable: no path of this machine
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                 *cell.tests_for(tier), *session.posargs, env=env, external=False)
 
@@ -151,9 +156,16 @@ def ray_startup(session: nox.Session) -> None:
     bare = ROOT / ".cache" / f"ray-worker-bare-py{RAY_PYTHON}-ray{RAY}"
     python = bare / "bin" / "python"
     if not (bare / ".ready").exists():
-        session.run("python", "-m", "venv", "--clear", str(bare))
-        session.run(str(python), "-m", "pip", "install", "-q", f"ray=={RAY}", "wrapt", "packaging", external=True)
+        session.run_install("python", "-m", "venv", "--clear", str(bare))  # run_install: --install-only makes it too
+        session.run_install(str(python), "-m", "pip", "install", "-q", f"ray=={RAY}", "wrapt", "packaging",
+                            external=True)
         (bare / ".ready").write_text(RAY)
     session.chdir(ROOT)
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ray_startup.py",
-                *session.posargs, env={"GRPO_PATCHES_RAY_WORKER_PYTHON": str(python)})
+    if "--install-only" in sys.argv:
+        return
+    junit = RESULTS / "cpu-ray-startup.xml"
+    junit.unlink(missing_ok=True)
+    _write_record("cpu-ray-startup", session="ray-startup", framework="ray-startup", version=f"ray {RAY}", tier="cpu",
+                  python=RAY_PYTHON, status="ran", installed={"ray": RAY})
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                "tests/test_ray_startup.py", *session.posargs, env={"GRPO_PATCHES_RAY_WORKER_PYTHON": str(python)})

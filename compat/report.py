@@ -7,11 +7,16 @@ Figures are the tests' ``record_property`` values whose names start with ``exact
 (exactness: patched vs unpatched differences) or ``perf_`` (gpu-tier time / memory ratios);
 the largest value per name over the cell's tests.
 
-    python compat/report.py            # after: nox -f compat/noxfile.py ...
+    python compat/report.py                              # after: nox -f compat/noxfile.py ...
+    python compat/report.py --out compat/.results/report  # CI: the committed files stay untouched
+
+Sessions outside the matrix that leave a record (``ray-startup``: its record names its
+``session``) get a row after the matrix's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import xml.etree.ElementTree as ET
@@ -65,7 +70,8 @@ def collect(previous: dict) -> dict:
     results = dict(previous)
     for record_path in sorted(RESULTS_DIR.glob("*.json")):
         record = json.loads(record_path.read_text())
-        key = f"{record['tier']}-{record['framework']}-{record['version']}"
+        # a session outside the matrix has one row whatever its pins (a version bump replaces it)
+        key = f"{record['tier']}-{record.get('session') or record['framework'] + '-' + record['version']}"
         junit = record_path.with_suffix(".xml")
         if record.get("status") == "ran":
             if junit.exists():
@@ -94,33 +100,41 @@ def render(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
-    for cell in load():
-        for tier in TIERS:
-            entry = results.get(f"{tier}-{cell.name}")
-            if entry is None:
-                lines.append(f"| {cell.framework} | {cell.version} | {tier} | not run yet | | | | | | |")
-                continue
-            if entry.get("status") != "ran":
-                lines.append(f"| {cell.framework} | {cell.version} | {tier} | {entry.get('reason', entry.get('status'))}"
-                             f" | | | | | | {entry.get('date', '')} |")
-                continue
-            verdict = "pass" if entry["failed"] == 0 and entry["passed"] else "FAIL"
-            installed = ", ".join(f"{k} {v}" for k, v in sorted(entry.get("installed", {}).items()) if v)
-            lines.append(f"| {cell.framework} | {cell.version} | {tier} | {verdict} | {entry['passed']} | "
-                         f"{entry['failed']} | {entry['skipped']} | {_figures(entry)} | {installed} | {entry['date']} |")
-            notes += [f"- {cell.framework} {cell.version} ({tier}): {r}" for r in entry.get("reasons", [])]
+    rows = [(cell.framework, cell.version, tier, results.get(f"{tier}-{cell.name}")) for cell in load() for tier in TIERS]
+    rows += [(entry["framework"], entry["version"], entry["tier"], entry)
+             for _, entry in sorted(results.items()) if entry.get("session")]
+    for framework, version, tier, entry in rows:
+        if entry is None:
+            lines.append(f"| {framework} | {version} | {tier} | not run yet | | | | | | |")
+            continue
+        if entry.get("status") != "ran":
+            lines.append(f"| {framework} | {version} | {tier} | {entry.get('reason', entry.get('status'))}"
+                         f" | | | | | | {entry.get('date', '')} |")
+            continue
+        verdict = "pass" if entry["failed"] == 0 and entry["passed"] else "FAIL"
+        installed = ", ".join(f"{k} {v}" for k, v in sorted(entry.get("installed", {}).items()) if v)
+        lines.append(f"| {framework} | {version} | {tier} | {verdict} | {entry['passed']} | "
+                     f"{entry['failed']} | {entry['skipped']} | {_figures(entry)} | {installed} | {entry['date']} |")
+        notes += [f"- {framework} {version} ({tier}): {r}" for r in entry.get("reasons", [])]
     if notes:
         lines += ["", "## Every failure and skip, with its reason", "", *notes]
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write RESULTS.md and results.json from the compat sessions' records.")
+    parser.add_argument("--out", type=Path, default=HERE,
+                        help="where to write them (default: compat/, the committed files; CI writes to an ignored "
+                             "folder so that a run leaves the checkout as it was)")
+    args = parser.parse_args(argv)
     previous = json.loads(JSON_OUT.read_text()) if JSON_OUT.exists() else {}
     results = collect(previous)
-    JSON_OUT.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    MD_OUT.write_text(render(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_out, md_out = args.out / JSON_OUT.name, args.out / MD_OUT.name
+    json_out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    md_out.write_text(render(results))
     failed = [k for k, v in results.items() if v.get("status") == "ran" and v.get("failed")]
-    print(f"wrote {MD_OUT.relative_to(HERE.parent)} ({len(results)} cells; failing: {', '.join(failed) or 'none'})")
+    print(f"wrote {md_out} and {json_out.name} ({len(results)} cells; failing: {', '.join(failed) or 'none'})")
     return 0
 
 

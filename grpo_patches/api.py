@@ -296,9 +296,28 @@ def _record_states(state: _Enabled) -> list[dict[str, Any]]:
     return rows
 
 
+def _summary(framework: str, applied: list[str], waiting: list[str]) -> str:
+    """``status()``'s state of an enabled framework in words: a record waiting for its module
+    to be imported is not a failure (``import trl`` alone imports no trainer module)."""
+    def listed(modules: list[str]) -> str:
+        return " and ".join(", ".join(modules).rsplit(", ", 1))
+
+    if not waiting:
+        return f"patched ({listed(applied)})" if applied else "enabled; no patch record applies with these options"
+    one = len(waiting) == 1
+    if applied:
+        return (f"patched in {listed(applied)}; the patches of {listed(waiting)} apply when "
+                f"{'it is' if one else 'they are'} imported")
+    return f"enabled, not patched yet: the {framework} patches apply when {listed(waiting)} {'is' if one else 'are'} imported"
+
+
 def status() -> dict[str, dict[str, Any]]:
     """Per framework: installed version, supported or why not, what is patched (per record),
-    options, notes and savings, and which process this is (workers report their own)."""
+    options, notes and savings, and which process this is (workers report their own).
+
+    An enabled framework also has ``summary`` (its state in words) and ``waiting_for``: the
+    modules whose records apply when they are imported (``pending_import`` is then true).
+    """
     report: dict[str, dict[str, Any]] = {}
     process = f"pid {os.getpid()} ({sys.executable})"
     for name in registry.names():
@@ -330,9 +349,13 @@ def status() -> dict[str, dict[str, Any]]:
             entry["error"] = _errors[name]
         state = _enabled.get(name)
         if state is not None:
+            waiting = list(dict.fromkeys(r.target.module for r in state.pending()))
+            applied = list(dict.fromkeys(r.target.module for r in state.records if r.applied))
             entry.update(
                 patched=bool(state.order),
-                pending_import=bool(state.pending()),
+                pending_import=bool(waiting),
+                waiting_for=waiting,
+                summary=_summary(name, applied, waiting),
                 options=state.options.as_dict(),
                 notes=dict(state.notes),
                 by_class={name: dict(notes) for name, notes in state.by_class.items()},

@@ -10,6 +10,13 @@ import shlex
 import sys
 from typing import Any, Sequence
 
+from grpo_patches import __version__
+
+#: ``grpo-patches --help``'s description (plain text: the module docstring is reStructuredText).
+DESCRIPTION = ("Exact optimizations for GRPO training in TRL, verl and NeMo-RL. Patch a framework in Python with "
+               "grpo_patches.enable(\"trl\"), or in every process with GRPO_PATCHES=trl; this command reports what is "
+               "patched, runs the demo, and starts processes (Ray workers included) with the patches.")
+
 
 def format_status(report: dict[str, dict[str, Any]]) -> str:
     """Render :func:`grpo_patches.status` as a plain-text table plus notes and savings."""
@@ -18,8 +25,8 @@ def format_status(report: dict[str, dict[str, Any]]) -> str:
     details: list[str] = []
     for name, entry in report.items():
         supported = "yes" if entry["supported"] else f"no ({entry['reason']})"
-        patched = {(True, False): "yes", (False, True): "pending import", (True, True): "partly (rest pending import)"}.get(
-            (entry["patched"], entry["pending_import"]), "no")
+        patched = {(True, False): "yes", (False, True): "on import (see below)",
+                   (True, True): "yes, more on import (see below)"}.get((entry["patched"], entry["pending_import"]), "no")
         options = entry["options"]
         shown = ", ".join(f"{k}={v}" for k, v in options.items()) if options else "-"
         rows.append((name, entry["installed"] or "-", entry["supported_range"], supported, patched, shown))
@@ -27,8 +34,10 @@ def format_status(report: dict[str, dict[str, Any]]) -> str:
             details.append(f"  {name}: version: {entry['version_origin']}")
         if entry.get("error"):
             details.append(f"  {name}: error: {entry['error']}")
+        if entry.get("pending_import"):
+            details.append(f"  {name}: {entry['summary']}")
         for record in entry.get("patches", []):
-            if record["state"] != "applied":
+            if record["state"] not in ("applied", "pending import"):  # those waiting: the summary above
                 details.append(f"  {name}: {record['target']}: {record['state']}")
         for key, text in entry["notes"].items():
             details.append(f"  {name}: {key}: {text}")
@@ -46,13 +55,20 @@ def format_status(report: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo-patches", description=__doc__)
+    from grpo_patches.demo import DEFAULT_STEPS  # the demo's defaults only (this imports nothing)
+
+    parser = argparse.ArgumentParser(prog="grpo-patches", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"grpo-patches {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="what is installed, supported and patched")
+    text = "what is installed, supported and patched, in this process"
+    st = sub.add_parser("status", help=text, description=text)
     st.add_argument("--json", action="store_true", help="print the report as JSON")
-    demo = sub.add_parser("demo", help="train the embedded tiny model with TRL, patches off and on")
-    demo.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    text = "train the embedded tiny model with TRL twice, patches off and on, and compare"
+    demo = sub.add_parser("demo", help=text, description=text)
+    demo.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                      help=f"optimizer steps per run (default: {DEFAULT_STEPS})")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="print only the result table: no progress bars (default: a bar per run)")
     for name, text in (("env", "print the variables that patch every process started from this shell "
                                 "(Ray workers included): the start-up directory on PYTHONPATH"),
                        ("run", "run a command with those variables (like opentelemetry-instrument)")):
@@ -78,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = status()
         print(json.dumps(report, indent=2) if args.json else format_status(report))
         return 0
-    from grpo_patches.demo import run_demo
+    from grpo_patches.demo.compare import run_demo
 
     return run_demo(steps=args.steps, progress=not args.no_progress)
 

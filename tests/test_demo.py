@@ -20,6 +20,8 @@ def test_demo_prints_fewer_passes_and_identical_weights():
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not re.search(r"\d+%\|", proc.stdout + proc.stderr), proc.stderr[-2000:]  # --no-progress: no bar at all
+    assert "Loading weights" not in proc.stderr  # transformers' own bars included
     out = proc.stdout
     off, on = map(int, re.search(r"old-logprob passes \(rows\)\s+(\d+) \(\d+\)\s+(\d+)", out).groups())
     assert on < off  # GA=3 / steps_per_generation=2: upstream recomputes every rollout

@@ -1,15 +1,22 @@
-"""benchmarks/frameworks.py: the summary and the table it derives from runs (no framework runs here)."""
+"""benchmarks/frameworks.py: the summary and table it derives from runs, and which interpreter runs each
+framework by default (fake venvs; no framework runs here)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from grpo_patches import registry
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import _frameworks_report as report  # noqa: E402
+import _interpreters as interpreters  # noqa: E402
 import frameworks  # noqa: E402
 import workload  # noqa: E402
 
@@ -44,11 +51,122 @@ def test_failed_and_skipped_runs_become_rows_with_the_reason():
     assert len({line.count("|") for line in lines if line.startswith("|")}) == 1  # every row has every column
 
 
-def test_a_framework_without_an_interpreter_is_not_run(monkeypatch, tmp_path):
-    monkeypatch.delenv("GRPO_BENCH_PYTHON_NEMO_RL", raising=False)
-    monkeypatch.setattr(frameworks, "ROOT", tmp_path)  # no compat venvs
-    python, why = frameworks.find_python("nemo_rl", {"nemo_rl": "/nonexistent/python"})
-    assert python is None and "/nonexistent/python" in why
+def _fake_venv(root: Path, session: str, versions: dict[str, str | None], grpo_patches: bool = True) -> Path:
+    """A compat venv whose "python" answers the version probe (and nothing else)."""
+    python = root / "compat" / ".nox" / session / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    answer = json.dumps({"grpo_patches": grpo_patches, "versions": {"trl": None, "verl": None, **versions}})
+    python.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    python.chmod(0o755)
+    return python
+
+
+@pytest.fixture
+def fake_checkout(tmp_path, monkeypatch):
+    """The issue's case: after the compat CI cells, TRL 0.20.0 and verl 0.7.1 / 0.9.1 venvs exist."""
+    for variable in ("GRPO_BENCH_PYTHON_TRL", "GRPO_BENCH_PYTHON_VERL", "GRPO_BENCH_PYTHON_NEMO_RL", "NEMO_RL_TAG"):
+        monkeypatch.delenv(variable, raising=False)
+    _fake_venv(tmp_path, "cpu-trl-0-20-0", {"trl": "0.20.0"})
+    _fake_venv(tmp_path, "cpu-verl-0-7-1", {"verl": "0.7.1"})
+    _fake_venv(tmp_path, "cpu-verl-0-9-1", {"verl": "0.9.1"})
+    _fake_venv(tmp_path, "cpu-verl-0-6-1", {"verl": "0.6.1"}, grpo_patches=False)
+    return tmp_path
+
+
+def _choose(name, root, given=None, tags=(), tag=None):
+    pool = interpreters.candidates(name, given or {}, list(tags), tag, root)
+    return pool, interpreters.choose(name, pool, registry.get(name).supported)
+
+
+def test_by_default_the_newest_supported_version_of_each_framework_runs(fake_checkout):
+    trl = pytest.importorskip("trl")
+    pool, (chosen, origin) = _choose("trl", fake_checkout)
+    assert [c.version for c in pool] == [trl.__version__, "0.20.0", None, None, None]  # this one, then the venvs
+    assert chosen.python == sys.executable and origin.startswith("this interpreter")  # 1.16, not the venv's 0.20
+    pool, (chosen, origin) = _choose("verl", fake_checkout)
+    assert chosen.version == "0.7.1"  # 0.9.1 is the engine line: no runner; 0.6.1's venv lacks grpo_patches
+    assert origin == "compat venv compat/.nox/cpu-verl-0-7-1"
+    assert "no grpo_patches" in next(c.origin for c in pool if "0-6-1" in c.python)
+
+
+def test_the_choice_keeps_to_the_adapter_and_the_runner_and_prefers_the_earlier_on_a_tie():
+    pool = [interpreters.Interpreter("a", "a", "0.7.1"), interpreters.Interpreter("b", "b", "0.9.1"),
+            interpreters.Interpreter("c", "c", "0.7.1"), interpreters.Interpreter("d", "d", "0.5.0")]
+    assert interpreters.choose("verl", pool, ">=0.6.1,<0.10")[0].python == "a"
+    assert interpreters.choose("verl", pool[2:], ">=0.8")[0] is None
+    chosen, why = interpreters.choose("verl", pool[3:], ">=0.6.1,<0.10")
+    assert chosen is None and "verl 0.5.0 in d" in why
+
+
+def test_a_given_interpreter_is_the_only_candidate(fake_checkout, monkeypatch):
+    venv = str(fake_checkout / "compat" / ".nox" / "cpu-verl-0-9-1" / "bin" / "python")
+    pool, (chosen, why) = _choose("verl", fake_checkout, {"verl": venv})
+    assert [c.origin for c in pool] == ["--python"] and chosen is None and "verl 0.9.1 in --python" in why
+    monkeypatch.setenv("GRPO_BENCH_PYTHON_VERL", str(fake_checkout / "nonexistent"))
+    pool, (chosen, why) = _choose("verl", fake_checkout)
+    assert chosen is None and "no verl in $GRPO_BENCH_PYTHON_VERL: does not run" in why
+
+
+def test_nemo_rl_runs_the_newest_tag_that_has_a_venv(fake_checkout, monkeypatch):
+    tags = [("main", "0.8.0.dev0"), ("v0.7.0", "0.7.0"), ("v0.6.0", "0.6.0"), ("v0.5.0", "0.5.0rc0")]
+    for tag in ("main", "v0.6.0", "v0.5.0"):
+        _fake_venv(fake_checkout, f"cpu-nemo_rl-{interpreters.nox_dir(tag)}", {})
+    pool, (chosen, origin) = _choose("nemo_rl", fake_checkout, tags=tags)
+    assert [c.tag for c in pool] == ["main", "v0.6.0", "v0.5.0"]  # v0.7.0 has no venv
+    assert chosen.tag == "v0.6.0" and origin == "compat venv compat/.nox/cpu-nemo_rl-v0-6-0"  # main: untried
+    _, (chosen, _) = _choose("nemo_rl", fake_checkout, {"nemo_rl": "/x/python"}, tags=tags, tag="v0.7.0")
+    assert (chosen.tag, chosen.python, chosen.origin) == ("v0.7.0", "/x/python", "--python, tag v0.7.0")
+    monkeypatch.delenv("NEMO_RL_SRC", raising=False)
+    python, why = frameworks.find_python("nemo_rl", {})
+    assert python is None and "set NEMO_RL_SRC" in why
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        frameworks.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 5, the README's run)", "(default: 1800)", "(default: benchmarks/results)",
+                    f"(default: {workload.SPEC['steps']})", "(default: $NEMO_RL_TAG, else the newest tag",
+                    "(default: all three;", "(default: $GRPO_BENCH_PYTHON_<NAME>, else the newest supported"):
+        assert default in text, default
+    assert "3 rounds" not in frameworks.__doc__
+
+
+def test_the_written_command_names_no_path_outside_the_checkout(monkeypatch):
+    monkeypatch.setenv("NEMO_RL_SRC", "/somewhere/RL")
+    monkeypatch.delenv("AUTOMODEL_SRC", raising=False)
+    monkeypatch.chdir(frameworks.ROOT)
+    line = frameworks.command_line(["--rounds", "5", "--python", "verl=compat/.nox/cpu-verl-0-7-1/bin/python",
+                                    "nemo_rl=/elsewhere/nemo/bin/python"])
+    assert line == ("NEMO_RL_SRC=<clone> bash scripts/run frameworks --rounds 5 --python "
+                    "verl=compat/.nox/cpu-verl-0-7-1/bin/python nemo_rl=<outside the checkout>")
+
+
+NO_PROJECT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {benchmarks!r})
+import frameworks
+frameworks.OWN_NEEDS += ("no_such_module_here",)
+frameworks.ROOT = Path({root!r})
+frameworks.ensure_project_interpreter()
+"""
+
+
+@pytest.mark.parametrize("with_venv", [False, True])
+def test_a_python_without_the_project_packages_uses_the_venv_or_says_how_to_make_it(tmp_path, with_venv):
+    if with_venv:  # a .venv whose python shows how it was called
+        python = tmp_path / ".venv" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text('#!/bin/sh\necho "re-run: $@ ($GRPO_BENCH_REEXEC)"\n')
+        python.chmod(0o755)
+    code = NO_PROJECT.format(benchmarks=str(frameworks.HERE), root=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_BENCH_REEXEC"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if with_venv:
+        assert out.returncode == 0 and out.stdout.strip() == f"re-run: {frameworks.HERE / 'frameworks.py'} (1)"
+    else:
+        assert out.returncode == 1 and "run it as `bash scripts/run frameworks [args]`" in out.stderr
 
 
 def test_the_reward_makes_the_saturated_groups_constant():

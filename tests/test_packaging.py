@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import grpo_patches
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -70,8 +72,14 @@ def test_the_wheel_built_from_the_sdist_installs_and_patches(wheel_from_sdist, t
     purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
     assert (purelib / "grpo_patches_startup.pth").is_file(), "the start-up .pth is not at the site-packages root"
     assert (purelib / "grpo_patches" / "adapters" / "trl" / "__init__.py").is_file()
+    assert (purelib / "grpo_patches" / "demo" / "compare.py").is_file()  # the demo's sub-package
     assert not (purelib / "adapters").exists(), "adapters must install as grpo_patches.adapters only"
+    (dist_info,) = purelib.glob(f"grpo_patches-{grpo_patches.__version__}.dist-info")
+    assert (dist_info / "licenses" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
+    assert "License-Expression: Apache-2.0" in (dist_info / "METADATA").read_text()
     (purelib / "borrowed_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    version = _run([str(env_dir / "bin" / "grpo-patches"), "--version"]).stdout.strip()
+    assert version == f"grpo-patches {grpo_patches.__version__}", version
 
     code = (
         "import json, sys, grpo_patches\n"

@@ -102,7 +102,7 @@ def test_trl_warnings_from_a_patched_init_name_the_users_line(monkeypatch, tmp_p
 
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     if "rollout_func" not in inspect.signature(GRPOTrainer.__init__).parameters:
         pytest.skip("this TRL has no rollout_func (its experimental-feature warning is the probe)")

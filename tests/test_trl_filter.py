@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from grpo_patches import tiny_model  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
 
 from tests.trl_harness import require_loss_type, train  # noqa: E402

@@ -18,7 +18,7 @@ pytest.importorskip("trl")
 
 from packaging.version import Version  # noqa: E402
 
-from grpo_patches import tiny_model  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
 from tests.test_trl_filter import EXACT_METRICS, assert_same_metrics  # noqa: E402
 from tests.trl_harness import train  # noqa: E402

@@ -23,7 +23,7 @@ pytest.importorskip("trl")
 
 from packaging.version import Version  # noqa: E402
 
-from grpo_patches import tiny_model  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError, UnsupportedFrameworkError  # noqa: E402
 from tests.test_trl_filter import EXACT_METRICS, assert_close_or_none, assert_same_metrics  # noqa: E402
 from tests.test_trl_filter import run as upstream_or_filter_run  # noqa: E402

@@ -24,7 +24,7 @@ pytest.importorskip("trl")
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from grpo_patches import tiny_model  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
 from tests.test_trl_tiled import needs_tiled  # noqa: E402
 from tests.trl_harness import train  # noqa: E402
 

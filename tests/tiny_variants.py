@@ -6,7 +6,7 @@
 - ``qwen2_moe``: Qwen2-MoE (4 experts, top 2) with ``output_router_logits`` and a router aux
   loss coefficient of 0.1 (TRL adds the aux loss to the loss).
 
-Each is built once per process from a fixed seed (like :mod:`grpo_patches.tiny_model`).
+Each is built once per process from a fixed seed (like :mod:`grpo_patches.demo.tiny_model`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def model_path(kind: str) -> str:
     import torch
     import transformers
 
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     tokenizer = tiny_model.build_tokenizer()
     config = _config(kind, len(tokenizer))

@@ -154,7 +154,8 @@ def train(
     from trl import GRPOConfig, GRPOTrainer
 
     import grpo_patches
-    from grpo_patches import savings, tiny_model
+    from grpo_patches import savings
+    from grpo_patches.demo import tiny_model
 
     config = {**DEFAULT_CONFIG, "max_steps": steps, **grpo_config_overrides}
     config["output_dir"] = output_dir or tempfile.mkdtemp(prefix="grpo_patches_trl_run_")

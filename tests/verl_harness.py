@@ -89,7 +89,27 @@ def fused_class() -> type:
     """A Qwen2ForCausalLM subclass whose forward verl's fused-kernel patch may replace."""
     from transformers import Qwen2ForCausalLM
 
-    return type("FusedQwen2ForCausalLM", (Qwen2ForCausalLM,), {})
+    return type("FusedQwen2ForCausalLM", (Qwen2ForCausalLM,), {"__init__": _init_without_view_outputs})
+
+
+def _init_without_view_outputs(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+    """``__init__`` of the fused classes: a forward hook, registered before FSDP2 shards the model
+    (so it runs before FSDP2's own), hands on copies of the log-probs / entropy verl's fused
+    forward returns as views (``.view(batch, -1)``). FSDP2 warns about a root module returning a
+    view (an in-place op on it would skip its pre-backward hook); nothing writes into them here,
+    and a copy has the same values and gradient."""
+    from transformers import Qwen2ForCausalLM
+
+    Qwen2ForCausalLM.__init__(self, config, *args, **kwargs)  # both fused classes subclass it directly
+    self.register_forward_hook(_copies_of_views)
+
+
+def _copies_of_views(module: Any, args: Any, output: Any) -> Any:
+    for key in ("log_probs", "entropy"):
+        value = output.get(key) if hasattr(output, "get") else None
+        if isinstance(value, torch.Tensor) and value._base is not None:
+            output[key] = value.clone()
+    return output
 
 
 def make_batch(rows: int = ROWS, zero_rows=ZERO_ROWS["interleaved"], seed: int = 1, world: int = 1,
@@ -272,6 +292,7 @@ def fused_types() -> tuple[type, type]:
 
         class FusedQwen2ForCausalLM(Qwen2ForCausalLM):
             config_class = FusedQwen2Config
+            __init__ = _init_without_view_outputs
 
         AutoConfig.register(FusedQwen2Config.model_type, FusedQwen2Config)
         AutoModelForCausalLM.register(FusedQwen2Config, FusedQwen2ForCausalLM)

@@ -2,7 +2,7 @@
 
 Each run is a subprocess (a clean peak-memory reading and no shared state); both start
 from the same saved model and seeds. Passes, rows and time are measured by an instrument
-independent of the patches (:mod:`grpo_patches.step_timer`: TRL's log-prob method wrapped
+independent of the patches (:mod:`grpo_patches.demo.step_timer`: TRL's log-prob method wrapped
 beneath them, the loss, backward and optimizer around them), so the table does not rely on
 the adapter's own bookkeeping. Generation (sampling, rewards) is timed apart: on a tiny model
 it dominates the wall time and the patches do not touch it.
@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from grpo_patches.demo import DEFAULT_STEPS
 
 #: The demo's training setup: GA=3 with steps_per_generation=2 is misaligned, so upstream
 #: TRL recomputes old log-probs for every rollout; half the prompts get identical rewards
@@ -40,10 +42,19 @@ DEMO_CONFIG: dict[str, Any] = dict(
     disable_tqdm=True,
     bf16=False,  # GRPOConfig turns on bf16 autocast by default, even on CPU: keep the demo in fp32
 )
-DEFAULT_STEPS = 16
 #: Wider than the tests' model, with a realistic lm-head share (vocab 8192), so that the work
 #: saved shows in the trainer-side time next to per-call overhead.
 MODEL_HIDDEN, MODEL_LAYERS, MODEL_VOCAB = 256, 4, 8192
+
+
+def _quiet_libraries() -> None:
+    """No progress bars of transformers (weight loading) or datasets: the demo's own step bar
+    (or, with ``--no-progress``, nothing) is the progress shown."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
@@ -54,12 +65,14 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     import grpo_patches
-    from grpo_patches import savings, tiny_model
-    from grpo_patches.step_timer import StepTimer
+    from grpo_patches import savings
+    from grpo_patches.demo import tiny_model
+    from grpo_patches.demo.step_timer import StepTimer
 
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes via TRL
+    _quiet_libraries()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     timer = StepTimer()
     timer.install(GRPOTrainer)  # beneath the patches: passes and rows that really run
@@ -112,7 +125,7 @@ def _worker(patched: bool, steps: int, out: Path, progress: bool) -> None:
 
 
 def format_table(off: dict[str, Any], on: dict[str, Any], weight_diff: float) -> str:
-    from grpo_patches.step_timer import TRAINER_SIDE
+    from grpo_patches.demo.step_timer import TRAINER_SIDE
 
     def side(run: dict[str, Any], kind: str = "") -> float:
         return sum(run["time"][kind + name] for name in TRAINER_SIDE)
@@ -145,31 +158,37 @@ def format_table(off: dict[str, Any], on: dict[str, Any], weight_diff: float) ->
 
 def run_demo(steps: int | None = None, progress: bool = True) -> int:
     """Run both trainings and print the comparison table. Returns a process exit code."""
-    import torch
-
     steps = steps or DEFAULT_STEPS
-    work = Path(tempfile.mkdtemp(prefix="grpo_patches_demo_"))
     print(f"Training the embedded tiny Qwen2 model with TRL GRPOTrainer for {steps} optimizer steps, twice "
           f"(GA=3, steps_per_generation=2, identical rewards for half the prompts).", flush=True)
-    results = {}
-    for name in ("off", "on"):
-        cmd = [sys.executable, "-m", "grpo_patches.demo", "--worker", name, "--steps", str(steps), "--out",
-               str(work / name)] + ([] if progress else ["--no-progress"])
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("GRPO_PATCHES", None)  # the demo controls patching itself
-        if subprocess.run(cmd, env=env).returncode != 0:
-            print(f"demo: the patches-{name} run failed", file=sys.stderr)
-            return 1
-        results[name] = json.loads((work / f"{name}.json").read_text())
-    w_off, w_on = torch.load(work / "off.pt"), torch.load(work / "on.pt")
-    diff = max(float((w_off[k] - w_on[k]).abs().max()) for k in w_off)
+    with tempfile.TemporaryDirectory(prefix="grpo_patches_demo_") as tmp:
+        work = Path(tmp)
+        results = {}
+        for name in ("off", "on"):
+            cmd = [sys.executable, "-m", "grpo_patches.demo", "--worker", name, "--steps", str(steps), "--out",
+                   str(work / name)] + ([] if progress else ["--no-progress"])
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+            env.pop("GRPO_PATCHES", None)  # the demo controls patching itself
+            if subprocess.run(cmd, env=env).returncode != 0:
+                print(f"demo: the patches-{name} run failed", file=sys.stderr)
+                return 1
+            results[name] = json.loads((work / f"{name}.json").read_text())
+        diff = _max_weight_difference(work / "off.pt", work / "on.pt")
     print()
     print(format_table(results["off"], results["on"], diff))
     return 0
 
 
+def _max_weight_difference(a: Path, b: Path) -> float:
+    import torch
+
+    w_a, w_b = torch.load(a), torch.load(b)
+    return max(float((w_a[k] - w_b[k]).abs().max()) for k in w_a)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="internal: one demo training run")
+    """One training run (``python -m grpo_patches.demo --worker on|off``), started by :func:`run_demo`."""
+    parser = argparse.ArgumentParser(prog="python -m grpo_patches.demo", description="internal: one demo training run")
     parser.add_argument("--worker", choices=["off", "on"], required=True)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--out", type=Path, required=True)
@@ -177,7 +196,3 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _worker(args.worker == "on", args.steps, args.out, not args.no_progress)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
