@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import HERE, TIERS, load  # noqa: E402
+from matrix import HERE, load  # noqa: E402
 
 RESULTS_DIR = HERE / ".results"
 #: record_property names shown in the table: exactness (patched vs unpatched) and gpu-tier ratios
@@ -93,7 +93,7 @@ def render(results: dict) -> str:
     ]
     notes: list[str] = []
     for cell in load():
-        for tier in TIERS:
+        for tier in cell.tiers:
             entry = results.get(f"{tier}-{cell.name}")
             if entry is None:
                 lines.append(f"| {cell.framework} | {cell.version} | {tier} | not run yet | | | | | | |")
