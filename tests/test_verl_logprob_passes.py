@@ -498,6 +498,25 @@ def test_the_trainer_runs_the_pass_when_its_workers_do_not_substitute(monkeypatc
 
 
 @pytest.mark.skipif(V < Version("0.7"), reason="0.6 has no old-logprob skip")
+def test_a_worker_substitutes_only_with_logprob_skip_and_its_records_applied():
+    from grpo_patches.adapters.verl.skip_guarantee import worker_ready
+
+    _worker_modules()
+    h.patches(None)
+    assert "not enabled in the worker" in worker_ready()
+    h.patches({"logprob_skip": False})
+    try:
+        assert "logprob_skip is off in the worker" in worker_ready()
+    finally:
+        h.patches(None)
+    h.patches(SKIP)
+    try:
+        assert worker_ready() is None
+    finally:
+        h.patches(None)
+
+
+@pytest.mark.skipif(V < Version("0.7"), reason="0.6 has no old-logprob skip")
 def test_an_update_that_does_not_confirm_the_substitution_stops_the_run():
     from types import SimpleNamespace
 

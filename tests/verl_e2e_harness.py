@@ -33,7 +33,10 @@ ROLLOUT_FILE = ROOT / "tests" / "verl_e2e_rollout.py"
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}"
                  "{% endfor %}{% if add_generation_prompt %} {% endif %}")
 #: Environment every process of a run needs (the cluster's and each run's).
-BASE_ENV = {"VERL_USE_EXTERNAL_MODULES": PLUGIN, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+#: ``GRPO_E2E_PYTHONPATH`` goes first: e.g. a copy of another grpo_patches version to run these tests against.
+BASE_ENV = {"VERL_USE_EXTERNAL_MODULES": PLUGIN,
+            "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("GRPO_E2E_PYTHONPATH"), str(ROOT)) if p),
+            "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VERL_LOGGING_LEVEL": "WARN",
             "RAY_DEDUP_LOGS": "0",
             # Ray 2.60's local clusters default to token auth with a token in ~/.ray, shared by
