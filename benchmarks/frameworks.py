@@ -44,7 +44,8 @@ sys.path.insert(0, str(HERE))
 import _frameworks_report as report  # noqa: E402
 import workload  # noqa: E402
 
-FRAMEWORKS = {"trl": "trl", "verl": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
+FRAMEWORKS = {"trl": "trl", "verl": "verl", "verl_v1": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
+VENVS = {"verl_v1": "verl"}  # a runner's compat venvs when they are another name's (verl_v1: verl 0.9+ through main_ppo)
 
 
 def find_python(name: str, given: dict[str, str]) -> tuple[str | None, str]:
@@ -54,7 +55,7 @@ def find_python(name: str, given: dict[str, str]) -> tuple[str | None, str]:
         candidates.append((given[name], "--python"))
     if os.environ.get(f"GRPO_BENCH_PYTHON_{name.upper()}"):
         candidates.append((os.environ[f"GRPO_BENCH_PYTHON_{name.upper()}"], f"$GRPO_BENCH_PYTHON_{name.upper()}"))
-    venvs = sorted(ROOT.glob(f"compat/.nox/cpu-{name.replace('_', '-')}-*/bin/python"),
+    venvs = sorted(ROOT.glob(f"compat/.nox/cpu-{VENVS.get(name, name).replace('_', '-')}-*/bin/python"),
                    key=lambda p: [int(x) if x.isdigit() else x for x in p.parent.parent.name.split("-")])
     candidates += [(str(p), "compat venv") for p in reversed(venvs)]
     if name == "trl":

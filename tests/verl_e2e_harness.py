@@ -103,8 +103,16 @@ def build_assets(root: str | os.PathLike, workload: Workload = TESTS, prompts: l
 
 _HOLDER = """
 import sys, ray
-ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _temp_dir=sys.argv[1], log_to_driver=False,
-         object_store_memory=256 * 1024 * 1024)
+for attempt in range(3):  # Ray waits 30 s for its raylet: a busy 2-core host can miss that
+    try:
+        ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _temp_dir=sys.argv[1], log_to_driver=False,
+                 object_store_memory=256 * 1024 * 1024)
+        break
+    except Exception as exc:
+        ray.shutdown()
+        print(f"ray.init failed ({exc}); retrying", file=sys.stderr, flush=True)
+else:
+    sys.exit(1)
 print("ADDRESS " + ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()  # until the test closes our stdin
 ray.shutdown()
