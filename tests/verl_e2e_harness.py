@@ -24,7 +24,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = "tests.verl_e2e_plugin"

@@ -114,7 +114,7 @@ def _confirmed(metrics: dict) -> bool:
     return False
 
 
-def _check(trainer: Any, expected: bool, metrics: dict) -> None:
+def _check(expected: bool, metrics: dict) -> None:
     if expected and not _confirmed(metrics):
         raise PlaceholderError(
             "grpo_patches: the trainer skipped the old-logprob pass, but the actor update did not report "
@@ -132,7 +132,7 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     expected, own.pending = own.pending, False
     output = wrapped(*args, **kwargs)
     metrics = getattr(output, "meta_info", {}).get("metrics", {})
-    _check(instance, expected, metrics)
+    _check(expected, metrics)
     if expected:  # the saving, in verl's own metrics (the trainer logs its update's)
         metrics[SKIPPED] = 1.0
     return output
@@ -146,7 +146,7 @@ def update_actor_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     expected, own.pending = own.pending, False
     metrics = args[1] if len(args) > 1 else kwargs.get("metrics")
     output = wrapped(*args, **kwargs)
-    _check(instance, expected, metrics)
+    _check(expected, metrics)
     if expected and metrics is not None:
         metrics[SKIPPED] = 1.0
     return output
