@@ -24,12 +24,12 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The versions each runner (``fw_<name>.py``) runs, within the adapter's supported range;
-#: a runner asked for another answers "not run". verl: the legacy worker line only (the engine
-#: line, 0.8+, has no runner yet); NeMo-RL: v0.6.0 and v0.7.0 (v0.5.0 needs its own worker
+#: a runner asked for another answers "not run". verl: the legacy worker line (verl_v1: the engine
+#: line through main_ppo's V1 trainer, 0.9+); NeMo-RL: v0.6.0 and v0.7.0 (v0.5.0 needs its own worker
 #: environment; main, read as 0.8.0.dev0, is untried).
-RUNS = {"trl": "", "verl": "<0.8", "nemo_rl": ">=0.6.0,<0.8.0.dev0"}
+RUNS = {"trl": "", "verl": "<0.8", "verl_v1": ">=0.9", "nemo_rl": ">=0.6.0,<0.8.0.dev0"}
 #: Distribution whose version the probe reads (NeMo-RL's comes from the tag instead).
-DISTRIBUTIONS = {"trl": "trl", "verl": "verl"}
+DISTRIBUTIONS = {"trl": "trl", "verl": "verl", "verl_v1": "verl"}
 
 PROBE = (
     "import importlib.metadata as m, importlib.util as u, json\n"
@@ -37,7 +37,7 @@ PROBE = (
     "    try:\n        return m.version(d)\n"
     "    except m.PackageNotFoundError:\n        return None\n"
     "print(json.dumps({'grpo_patches': u.find_spec('grpo_patches') is not None,\n"
-    "                  'versions': {d: v(d) for d in %r}}))\n" % (sorted(DISTRIBUTIONS.values()),)
+    "                  'versions': {d: v(d) for d in %r}}))\n" % (sorted(set(DISTRIBUTIONS.values())),)
 )
 
 

@@ -52,7 +52,9 @@ import _frameworks_report as report  # noqa: E402
 import _interpreters as interpreters  # noqa: E402
 import workload  # noqa: E402
 
-FRAMEWORKS = {"trl": "trl", "verl": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
+FRAMEWORKS = {"trl": "trl", "verl": "verl", "verl_v1": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
+#: A runner's adapter when it is another name's (verl_v1: verl 0.9+ through main_ppo).
+ADAPTERS = {"verl_v1": "verl"}
 #: What this process needs itself (the runs have their own interpreters): the project's packages.
 OWN_NEEDS = ("grpo_patches", "torch", "tqdm", "packaging")
 DEFAULTS = {"rounds": 5, "timeout": 1800, "out_dir": HERE / "results"}
@@ -94,7 +96,7 @@ def find_python(name: str, given: dict[str, str], nemo_rl_tag: str | None = None
     pool = interpreters.candidates(name, given, nemo_rl_tags() if name == "nemo_rl" else [], nemo_rl_tag, ROOT)
     reasons = []
     while True:
-        chosen, why = interpreters.choose(name, pool, registry.get(name).supported)
+        chosen, why = interpreters.choose(name, pool, registry.get(ADAPTERS.get(name, name)).supported)
         if chosen is None:
             return None, "; ".join([*reasons, why])
         check = subprocess.run([chosen.python, "-c", f"import grpo_patches, {FRAMEWORKS[name]}"], capture_output=True,

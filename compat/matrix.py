@@ -13,7 +13,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MATRIX = HERE / "matrix.toml"
-TIERS = ("cpu", "gpu")
+#: ``e2e``: the framework's real entry point, patched vs unpatched, for cells with ``e2e = true``
+#: (run in the cell's cpu venv: no second install).
+TIERS = ("cpu", "gpu", "e2e")
 
 
 @dataclass(frozen=True)
@@ -35,13 +37,23 @@ class Cell:
     submodules: tuple[dict[str, str], ...] = ()  # packages pinned as git submodules of the source (see sources.py)
     reads_as: str | None = None  # the version the adapter reads from this source (a tag's own number may differ)
     venv_env: str | None = None  # a variable that may name a ready venv with the cell's packages (not installed then)
+    e2e_tests: tuple[str, ...] = ()  # the e2e tier's tests (for cells with e2e)
+    e2e: bool = False  # the cell has an e2e tier
+    e2e_ci: bool = False  # CI runs the cell's e2e tier
 
     @property
     def name(self) -> str:
         return f"{self.framework}-{self.version}"
 
     def tests_for(self, tier: str) -> tuple[str, ...]:
+        if tier == "e2e":
+            return self.e2e_tests if self.e2e else ()
         return self.tests + (self.gpu_tests if tier == "gpu" else ())
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers this cell has (every cell: cpu and gpu; e2e where the matrix says so)."""
+        return tuple(t for t in TIERS if t != "e2e" or self.e2e)
 
     @property
     def adapter_version(self) -> str:
@@ -83,6 +95,9 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     submodules=tuple(spec.get("submodules", ())),
                     reads_as=entry.get("reads_as"),
                     venv_env=entry.get("venv_env", spec.get("venv_env")),
+                    e2e_tests=tuple(spec.get("e2e_tests", ())),
+                    e2e=bool(entry.get("e2e", False)),
+                    e2e_ci=bool(entry.get("e2e_ci", False)),
                 )
             )
     return cells

@@ -4,6 +4,7 @@
     nox -f compat/noxfile.py -t ci               # what CI runs (cpu tier, cells marked ci)
     nox -f compat/noxfile.py -t cpu              # every cpu cell
     nox -f compat/noxfile.py -t gpu              # the gpu tier (on a CUDA machine)
+    nox -f compat/noxfile.py -t e2e              # the end-to-end tier (cells with e2e = true)
     nox -f compat/noxfile.py -s "cpu-verl-0.9.1"
 
 ``bash scripts/run compat [TAG]`` runs the sessions with venv reuse and then writes
@@ -26,7 +27,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import ROOT, TIERS, Cell, load  # noqa: E402
+from matrix import ROOT, Cell, load  # noqa: E402
 from sources import prepare_source  # noqa: E402
 
 RESULTS = ROOT / "compat" / ".results"
@@ -109,6 +110,8 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
         extra = cell.gpu_install if tier == "gpu" else ()
         session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
     session.install("--no-deps", "-e", str(ROOT))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    _venv_note(cell).write_text(str(session.virtualenv.location))  # where the e2e tier finds this cell's venv
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_PATCHES_TIER": tier, **cell.env}
     source = None
     if cell.source_env:
@@ -127,18 +130,49 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
                 *cell.tests_for(tier), *session.posargs, env=env, external=False)
 
 
+def _venv_note(cell: Cell) -> Path:
+    return RESULTS / f"venv-cpu-{cell.name}.txt"
+
+
+def _run_e2e(session: nox.Session, cell: Cell) -> None:
+    """The e2e tier in the cell's cpu venv (its session runs first: ``requires``), nothing installed."""
+    junit = RESULTS / f"e2e-{cell.name}.xml"
+    junit.unlink(missing_ok=True)
+    note = _venv_note(cell)
+    python = Path(note.read_text().strip(), "bin", "python") if note.exists() else None
+    if python is None or not python.exists():
+        session.error(f"no venv of cpu-{cell.name} ({note} names none): run that session first")
+    if "--install-only" in sys.argv:
+        return
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_PATCHES_TIER": "e2e", **cell.env}
+    installed = session.run(str(python), "-m", "pip", "list", "--format=json", silent=True, env=env,
+                            external=True) or "[]"
+    versions = {p["name"].lower(): p["version"] for p in json.loads(installed)}
+    session.chdir(ROOT)
+    _record(cell, "e2e", status="ran", installed={k: versions.get(k) for k in ("torch", "transformers", cell.framework)})
+    session.run(str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                *cell.tests_for("e2e"), *session.posargs, env=env, external=True)
+
+
 def _register(cell: Cell, tier: str) -> None:
-    tags = [tier, cell.framework] + (["ci"] if cell.ci and tier == "cpu" else [])
+    ci = cell.ci if tier == "cpu" else cell.e2e_ci if tier == "e2e" else False
+    tags = [tier, cell.framework] + (["ci"] if ci else [])
 
     def run(session: nox.Session) -> None:
-        _run_cell(session, cell, tier)
+        if tier == "e2e":
+            _run_e2e(session, cell)
+        else:
+            _run_cell(session, cell, tier)
 
     run.__doc__ = f"{cell.framework} {cell.version} ({tier} tier)"
-    nox.session(name=f"{tier}-{cell.name}", python=_interpreter(cell.python), tags=tags)(run)
+    if tier == "e2e":  # runs in the cpu cell's venv: that session goes first
+        nox.session(name=f"e2e-{cell.name}", venv_backend="none", requires=[f"cpu-{cell.name}"], tags=tags)(run)
+    else:
+        nox.session(name=f"{tier}-{cell.name}", python=_interpreter(cell.python), tags=tags)(run)
 
 
 for _cell in load():
-    for _tier in TIERS:
+    for _tier in _cell.tiers:
         _register(_cell, _tier)
 
 #: The Ray test's pins: driver and bare worker venvs must hold the same Ray and Python minor.

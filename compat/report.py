@@ -23,7 +23,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import HERE, TIERS, load  # noqa: E402
+from matrix import HERE, load  # noqa: E402
 
 RESULTS_DIR = HERE / ".results"
 #: record_property names shown in the table: exactness (patched vs unpatched), gpu-tier ratios, work
@@ -100,7 +100,7 @@ def render(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
-    rows = [(cell.framework, cell.version, tier, results.get(f"{tier}-{cell.name}")) for cell in load() for tier in TIERS]
+    rows = [(cell.framework, cell.version, tier, results.get(f"{tier}-{cell.name}")) for cell in load() for tier in cell.tiers]
     rows += [(entry["framework"], entry["version"], entry["tier"], entry)
              for _, entry in sorted(results.items()) if entry.get("session")]
     for framework, version, tier, entry in rows:

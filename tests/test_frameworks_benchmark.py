@@ -175,3 +175,14 @@ def test_the_reward_makes_the_saturated_groups_constant():
         values = {workload.reward(SPEC, prompt, completion) for completion in ("ba be", "ca", "zus 7 8")}
         assert (len(values) == 1) == (i < SPEC["saturated"])
     assert workload.zero_share(SPEC) == 0.75
+
+
+def test_the_verl_main_ppo_runner_scores_as_the_workload():
+    import fw_verl_v1
+
+    prompts, truths = fw_verl_v1._dataset({**SPEC, "steps": 2})
+    assert len(prompts) == 2 * SPEC["prompts"]  # the workload's prompts once per step
+    for prompt, truth in zip(prompts, truths):
+        for completion in ("ba be", "ca", "zus 7 8"):
+            assert fw_verl_v1.compute_score("grpo_e2e", completion, truth) == workload.reward(SPEC, prompt, completion)
+    assert frameworks.VENVS["verl_v1"] == "verl" and frameworks.FRAMEWORKS["verl_v1"] == "verl"

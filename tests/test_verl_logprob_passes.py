@@ -276,8 +276,9 @@ class _EngineGroup:
         return self.worker.worker.infer_batch(td)
 
 
-def _engine_old_pass_then_update(options, *, mini=16, mark=None, **config):
-    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update."""
+def _engine_old_pass_then_update(options, *, mini=16, placeholder=False, **config):
+    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update.
+    ``placeholder``: the update gets placeholder old log-probs whatever the trainer did."""
     from verl import DataProto
     from verl.trainer.ppo.core_algos import agg_loss
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -299,8 +300,10 @@ def _engine_old_pass_then_update(options, *, mini=16, mark=None, **config):
                            loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
         old.batch.pop("entropys")
         data = data.union(old)
-        if mark is not None:
-            data.meta_info[mark] = True
+        if placeholder:
+            from grpo_patches.adapters.verl import placeholder as ph
+
+            data.batch["old_log_probs"] = ph.like(data.batch["response_mask"])
         td = left_right_2_no_padding(data.to_tensordict())
         tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=h.ROWS, mini_batch_size=mini, epochs=1,
                              seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
@@ -342,10 +345,10 @@ def test_engine_pass_runs_when_something_reads_it(config):
 
 @pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
 def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
-    from grpo_patches.adapters.verl.old_logprobs import MARK
+    from grpo_patches.adapters.verl.placeholder import PlaceholderError
 
-    with pytest.raises(RuntimeError, match="not on-policy"):
-        _engine_old_pass_then_update(SKIP, mini=8, mark=MARK)  # two mini-batches, yet marked as skipped
+    with pytest.raises(PlaceholderError, match="not on-policy"):
+        _engine_old_pass_then_update(SKIP, mini=8, placeholder=True)  # two mini-batches, yet a skipped pass
 
 
 class _FakeTransferQueue:
@@ -366,42 +369,175 @@ class _FakeTransferQueue:
         return KVBatchMeta(keys=list(keys), partition_id=partition_id, tags=[{} for _ in keys])
 
 
+def _worker_modules() -> None:
+    """Import the modules whose records run in the actor-update process (here: this one)."""
+    import importlib
+
+    from grpo_patches.adapters.verl.skip_guarantee import WORKER_MODULES
+
+    for name in WORKER_MODULES:
+        if LEGACY == name.endswith("dp_actor"):
+            importlib.import_module(name)
+
+
+class _PassRan(Exception):
+    pass
+
+
+def _v1_trainer(monkeypatch, store, **config):
+    """A v1 ``PPOTrainer`` (no Ray, no TransferQueue service: only its methods under test run)."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    monkeypatch.setattr(trainer_base, "tq", store)
+
+    class Group:  # no Ray actors: the actor's update would run in this process
+        def compute_log_prob(self, batch):
+            raise _PassRan
+
+    concrete = type("Trainer", (trainer_base.PPOTrainer,), {"on_sample_end": lambda self: None,
+                                                            "on_step_end": lambda self, *a, **k: None})
+    trainer = object.__new__(concrete)
+    trainer.config = trainer_config(use_kl_loss=False, **config)
+    trainer.actor_rollout_wg = Group()
+    return trainer
+
+
+def _kv_batch():
+    from transfer_queue import KVBatchMeta
+
+    keys = [f"k{i}" for i in range(h.ROWS)]
+    return KVBatchMeta(keys=keys, partition_id="train", tags=[{} for _ in keys], extra_info={})
+
+
 @pytest.mark.skipif(V < Version("0.9"), reason="the v1 (TransferQueue) trainer is 0.9's")
 @pytest.mark.parametrize("config,skipped", [({}, True), ({"mini": 8}, False), ({"use_kl_in_reward": True}, False)])
 def test_v1_trainer_skips_the_pass_into_a_placeholder(monkeypatch, config, skipped):
     pytest.importorskip("transfer_queue")
-    from transfer_queue import KVBatchMeta
-    from verl.trainer.ppo.v1 import trainer_base
+    from grpo_patches.adapters.verl import placeholder
 
-    from grpo_patches.adapters.verl.old_logprobs import MARK
-
+    _worker_modules()
     mask = h.make_batch()["response_mask"]
     store = _FakeTransferQueue({"response_mask": mask})
-    monkeypatch.setattr(trainer_base, "tq", store)
-
-    class PassRan(Exception):
-        pass
-
-    class Group:
-        def compute_log_prob(self, batch):
-            raise PassRan
-
-    concrete = type("Trainer", (trainer_base.PPOTrainer,), {"on_sample_end": lambda self: None,
-                                                            "on_step_end": lambda self, *a, **k: None})
-    trainer = object.__new__(concrete)  # no Ray, no TransferQueue service: only the method under test runs
-    trainer.config = trainer_config(use_kl_loss=False, **config)
-    trainer.actor_rollout_wg = Group()
-    keys = [f"k{i}" for i in range(h.ROWS)]
-    batch = KVBatchMeta(keys=keys, partition_id="train", tags=[{} for _ in keys], extra_info={})
+    trainer = _v1_trainer(monkeypatch, store, **config)
     metrics: dict = {}
     h.patches(SKIP)
     try:
         if not skipped:
-            with pytest.raises(PassRan):
-                trainer._compute_old_log_prob(batch, metrics)
+            with pytest.raises(_PassRan):
+                trainer._compute_old_log_prob(_kv_batch(), metrics)
             return
-        out = trainer._compute_old_log_prob(batch, metrics)
+        trainer._compute_old_log_prob(_kv_batch(), metrics)
     finally:
         h.patches(None)
-    assert out.extra_info[MARK] and torch.equal(store.fields["old_log_probs"], torch.zeros(mask.shape))
+    old = store.fields["old_log_probs"]
+    assert old.shape == mask.shape and placeholder.fills(old)  # NaN, never readable as log-probs
+    assert torch.isnan(old).all()
     assert "entropy" not in store.fields and "actor/entropy" not in metrics  # no placeholder metric
+
+
+@pytest.mark.skipif(V < Version("0.9"), reason="the v1 (TransferQueue) trainer is 0.9's")
+def test_v1_skip_holds_when_the_stages_drop_every_marker(monkeypatch, record_property):
+    """The 0.9.1 bug: the trainer's skip marker (on ``KVBatchMeta.extra_info``) was lost at the
+    next ``kv_batch_put`` and the update trained on zeros. Now the worker keys on what it receives:
+    the update of a batch carried through the V1 trainer's stages (fresh metadata at every put)
+    has the gradient of verl's own pass."""
+    pytest.importorskip("transfer_queue")
+    from tensordict import TensorDict
+
+    _worker_modules()
+    ref = _engine_old_pass_then_update(None)  # verl: the real pass, then the update
+    mask = h.make_batch()["response_mask"]
+    store = _FakeTransferQueue({"response_mask": mask})
+    trainer = _v1_trainer(monkeypatch, store)
+    h.patches(SKIP)
+    try:
+        trainer._compute_old_log_prob(_kv_batch(), {})
+        keys = _kv_batch().keys  # _compute_advantage's put: the metadata the update gets is fresh
+        fresh = store.kv_batch_put(keys, "train", TensorDict({"advantages": h.make_batch()["advantages"]},
+                                                             batch_size=[h.ROWS]))
+        assert not fresh.extra_info
+        td = h.engine_batch(extra={"old_log_probs": store.fields["old_log_probs"]})
+        got = h.shared_worker().run_td(td, "as is")
+    finally:
+        h.patches(None)
+    err = h.max_rel(got, ref)
+    record_property("exact_v1_old_logprob_skip_grad_rel", err)
+    assert err <= 1e-6 and len(got.grads) == 1, err
+    assert got.metrics["grpo_patches/old_log_probs_substituted"] == [1.0]
+
+
+@pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
+def test_a_placeholder_reaching_the_loss_stops_the_run():
+    """Whatever the options (here: logprob_skip=False, so no substitution), verl's policy loss
+    refuses placeholder old log-probs. verl alone logs a NaN loss and steps the optimizer with a
+    zero gradient (its grad norm is 0, finite: no warning) — an update that silently does nothing."""
+    from grpo_patches.adapters.verl import placeholder
+
+    td = h.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
+    with pytest.raises(placeholder.PlaceholderError, match="logprob_skip=False"):
+        h.shared_worker().run_td(td, {"logprob_skip": False, "zero_advantage_filter": False})
+    td = h.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
+    run = h.shared_worker().run_td(td, None)  # verl alone
+    (loss,), (grad_norm,) = run.metrics["actor/pg_loss"], run.metrics["grad_norm"]
+    assert loss != loss and grad_norm == 0.0 and not run.grads[0].any()
+
+
+@pytest.mark.skipif(V < Version("0.7"), reason="0.6 has no old-logprob skip")
+def test_the_trainer_runs_the_pass_when_its_workers_do_not_substitute(monkeypatch):
+    from grpo_patches.adapters.verl import skip_guarantee
+
+    monkeypatch.setattr(skip_guarantee, "worker_ready", lambda: "logprob_skip is off in the worker (pid 1)")
+    if LEGACY:
+        got = _old_pass_then_update(SKIP)
+        assert got.forwards == 1
+    else:
+        got = _engine_old_pass_then_update(SKIP)
+        assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
+    notes = [n for c in got.status["by_class"].values() for n in c.values()]
+    assert any("logprob_skip is off in the worker" in n for n in notes), notes
+
+
+@pytest.mark.skipif(V < Version("0.7"), reason="0.6 has no old-logprob skip")
+def test_a_worker_substitutes_only_with_logprob_skip_and_its_records_applied():
+    from grpo_patches.adapters.verl.skip_guarantee import worker_ready
+
+    _worker_modules()
+    h.patches(None)
+    assert "not enabled in the worker" in worker_ready()
+    h.patches({"logprob_skip": False})
+    try:
+        assert "logprob_skip is off in the worker" in worker_ready()
+    finally:
+        h.patches(None)
+    h.patches(SKIP)
+    try:
+        assert worker_ready() is None
+    finally:
+        h.patches(None)
+
+
+@pytest.mark.skipif(V < Version("0.7"), reason="0.6 has no old-logprob skip")
+def test_an_update_that_does_not_confirm_the_substitution_stops_the_run():
+    from types import SimpleNamespace
+
+    from grpo_patches.adapters.verl import placeholder, skip_guarantee
+
+    class Trainer:
+        pass
+
+    trainer = Trainer()
+
+    def update(metrics):  # RayPPOTrainer._update_actor returns a DataProto with the metrics in meta_info
+        return lambda batch: SimpleNamespace(meta_info={"metrics": metrics})
+
+    h.patches(SKIP)
+    try:
+        skip_guarantee.update_actor(update({}), trainer, (None,), {})  # no skip pending: nothing to confirm
+        skip_guarantee.expect_substitution(trainer)
+        with pytest.raises(placeholder.PlaceholderError, match="did not report substituting"):
+            skip_guarantee.update_actor(update({"actor/pg_loss": [0.1]}), trainer, (None,), {})
+        skip_guarantee.expect_substitution(trainer)
+        skip_guarantee.update_actor(update({"actor/grpo_patches/old_log_probs_substituted": [1.0]}), trainer,
+                                    (None,), {})
+    finally:
+        h.patches(None)

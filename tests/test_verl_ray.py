@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+from packaging.version import Version
 
 from tests import verl_harness as h
 
@@ -82,3 +83,61 @@ def test_a_ray_worker_started_by_a_task_runner_is_patched(tmp_path):
         assert f"pid {report['pid']} " in report["process"]  # the report is the worker's own
         assert any(t.startswith(module + ":") for t in report["targets"]), report["targets"]
         assert report["options"]["zero_advantage_filter"] is True  # GRPO_PATCHES_OPTIONS reached it too
+
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from types import SimpleNamespace
+    import ray
+
+    MODULES = sys.argv[1].split(",")
+
+    @ray.remote(num_cpus=0)
+    class Worker:  # imports what verl's actor worker imports, then idles like one
+        def __init__(self):
+            import importlib
+            for name in MODULES:
+                importlib.import_module(name)
+
+        def ready(self):
+            return True
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        envs = {"patched": {"GRPO_PATCHES": "verl"}, "unpatched": {}}
+        workers = {k: Worker.options(runtime_env={"env_vars": v}).remote() for k, v in envs.items()}
+        ray.get([w.ready.remote() for w in workers.values()])
+        from grpo_patches.adapters.verl.skip_guarantee import _ask
+        out = {k: _ask(SimpleNamespace(workers=[w])) for k, w in workers.items()}
+        out["mixed"] = _ask(SimpleNamespace(workers=[workers["patched"], workers["unpatched"]]))
+    finally:
+        ray.shutdown()
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.skipif(Version(h.VERL) < Version("0.7"), reason="0.6 has no old-logprob skip")
+def test_the_trainer_asks_its_ray_workers_whether_they_substitute(tmp_path):
+    """The old-logprob skip needs the workers' substitution: the trainer asks each Ray worker
+    (``__ray_call__``, run in the worker's process) and skips only when every one has it
+    (a worker with ``logprob_skip`` off: ``test_verl_logprob_passes.py``)."""
+    from grpo_patches.adapters.verl.skip_guarantee import WORKER_MODULES
+
+    legacy = h.line().startswith("legacy")
+    modules = [m for m in WORKER_MODULES if m.endswith("dp_actor") == legacy]
+    script = tmp_path / "ray_probe_workers.py"
+    script.write_text(PROBE)
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONPATH": "", "RAY_AUTH_MODE": "disabled"}
+    env.pop("GRPO_PATCHES", None)
+    proc = subprocess.run([sys.executable, str(script), ",".join(modules)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    import json
+
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["patched"] is None, out
+    assert "not enabled in the worker" in out["unpatched"] and "GRPO_PATCHES=verl" in out["unpatched"]
+    assert out["mixed"] == out["unpatched"]  # one worker without the substitution is enough to keep the pass

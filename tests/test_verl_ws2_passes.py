@@ -46,7 +46,7 @@ def _legacy_old_skip(rank: int) -> dict:
     """This rank's actor: verl's old-logprob pass then the update, vs the skipped pass."""
     from verl import DataProto
 
-    from grpo_patches.adapters.verl.old_logprobs import MARK
+    from grpo_patches.adapters.verl import placeholder
 
     def update(options, old):
         h.patches(options)
@@ -71,9 +71,9 @@ def _legacy_old_skip(rank: int) -> dict:
                 run.metrics["trainer/actor/entropy"] = _gathered_entropy(entropys, batch["response_mask"])
                 batch["old_log_probs"] = log_probs
                 meta = {"temperature": 1.0}
-            else:  # what the patched trainer hands over: a placeholder, marked
-                batch["old_log_probs"] = torch.full_like(batch["response_mask"], float("nan"), dtype=torch.float32)
-                meta = {"temperature": 1.0, MARK: True}
+            else:  # what the patched trainer hands over: the placeholder, no marker
+                batch["old_log_probs"] = placeholder.like(batch["response_mask"])
+                meta = {"temperature": 1.0}
             run.metrics.update(actor.update_policy(DataProto.from_dict(tensors=batch, meta_info=meta)))
         finally:
             h.patches(None)
@@ -89,7 +89,7 @@ def _engine_old_skip(rank: int, worker) -> dict:
     from tensordict.tensorclass import NonTensorData
     from verl.utils import tensordict_utils as tu
 
-    from grpo_patches.adapters.verl.old_logprobs import MARK
+    from grpo_patches.adapters.verl import placeholder
 
     def td():
         t = h.engine_batch(rank, 2)
@@ -110,8 +110,7 @@ def _engine_old_skip(rank: int, worker) -> dict:
     ref_td["old_log_probs"] = padded["log_probs"]
     ref = worker.run_td(ref_td, None)
     got_td = td()
-    got_td["old_log_probs"] = torch.full(mask.shape, float("nan"))
-    tu.assign_non_tensor(got_td, **{MARK: True})
+    got_td["old_log_probs"] = placeholder.like(mask)
     got = worker.run_td(got_td, SKIP)
     (entropy,) = got.metrics.get("actor/entropy", [None])
     return {"err": h.max_rel(got, ref), "steps": len(got.grads), "entropy": entropy, "trainer_entropy": trainer_entropy}

@@ -73,7 +73,10 @@ def _install_08() -> None:
                 devices.setdefault("cpu", devices["cuda"])
 
 
-def install() -> None:
+def install(ray_resource: str = "CPU") -> None:
+    """Register and select the CPU platform. ``ray_resource``: the Ray resource verl asks for per
+    worker (``"GPU"`` for a trainer run, whose resource pools count GPU/NPU resources only: the
+    cluster then offers logical GPUs)."""
     try:
         import verl.plugin.platform  # noqa: F401  (0.9+)
     except ImportError:
@@ -136,7 +139,7 @@ def install() -> None:
             return None
 
         def ray_resource_name(self):
-            return "CPU"
+            return ray_resource
 
         def ray_noset_envvars(self):
             return []

@@ -14,7 +14,10 @@ the line whose internals it wraps. Records on one attribute stack in table order
   ``need_reference_policy`` (no reference model), placeholders for its readers.
 - old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass; the 0.7.x
   legacy actor ignores it there; :mod:`.old_logprobs_engine`: the engine's loss uses the
-  detached current log-probs).
+  detached current log-probs). The skipped pass leaves a NaN placeholder the workers key their
+  substitution on (:mod:`.placeholder`); the trainer skips only when its workers substitute and
+  stops when an update does not confirm it (:mod:`.skip_guarantee`).
+- the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
   verl's fused-kernel lm-head call with the tiled loss.
 
@@ -57,6 +60,9 @@ _NEED_REFERENCE = (
 
 #: Every patch record of the verl adapter (module, attribute, wrapper, versions, option).
 PATCHES = (
+    # the placeholder guard, whatever the options: innermost, it sees what verl's policy loss gets
+    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.placeholder:guard_policy_loss", versions=LEGACY),
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.placeholder:guard_policy_loss", versions=ENGINE),
     # tiled lm-head loss: innermost on _forward_micro_batch (it sees the micro-batch as the other records leave it)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.tiled_legacy:forward_micro_batch",
                 versions=LEGACY, option="tiled_loss"),
@@ -95,6 +101,10 @@ PATCHES = (
                 versions=">=0.7", option="logprob_skip"),
     PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_old_log_prob",
                 f"{_HERE}.old_logprobs:compute_old_log_prob_v1", versions=">=0.9", option="logprob_skip"),
+    PatchTarget(RAY_TRAINER, "RayPPOTrainer._update_actor", f"{_HERE}.skip_guarantee:update_actor",
+                versions=">=0.7", option="logprob_skip"),
+    PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._update_actor",
+                f"{_HERE}.skip_guarantee:update_actor_v1", versions=">=0.9", option="logprob_skip"),
     PatchTarget(ENGINE_WORKERS, "TrainingWorker.train_mini_batch", f"{_HERE}.old_logprobs_engine:train_mini_batch",
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.old_logprobs_engine:forward_step",

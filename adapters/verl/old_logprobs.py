@@ -12,14 +12,16 @@ after each one (a window of 1), and "needed elsewhere" covers every other reader
 trainer's old log-probs (in-reward KL, rollout correction, rollout log-prob debug metrics,
 ``use_rollout_log_probs``, the sum_pi_squared baselines).
 
-When skipped, the trainer gets a placeholder (zeros, marked in ``meta_info`` / v1's
-``extra_info``, which reach the workers as non-tensor data); the legacy actor's
-``update_policy`` wrapper checks that verl's own on-policy condition holds for the marked
-batch (or raises), and computes ``actor/entropy`` — which the trainer computes from that pass
-— from the training forward's own logits (same weights: on-policy), aggregated over the whole
-batch exactly as the trainer does, so the logged value stays verl's (not a placeholder). With
-the zero-advantage filter dropping rows it is over the kept rows: ``actor/entropy/kept_rows``,
-and ``actor/entropy`` is NaN (not computed).
+When skipped, the trainer gets a placeholder (:mod:`.placeholder`: a NaN no log-prob pass
+produces, never zeros) for ``old_log_probs`` (and the entropies). The worker keys on it, not on
+metadata: the legacy actor's ``update_policy`` wrapper checks that verl's own on-policy condition
+holds for a batch whose old log-probs are all placeholder (or raises), and computes
+``actor/entropy`` — which the trainer computes from that pass — from the training forward's own
+logits (same weights: on-policy), aggregated over the whole batch exactly as the trainer does,
+so the logged value stays verl's (not a placeholder). With the zero-advantage filter dropping
+rows it is over the kept rows: ``actor/entropy/kept_rows``, and ``actor/entropy`` is NaN (not
+computed). The pass is skipped only when the workers are known to substitute, and the update
+after it must confirm that they did (:mod:`.skip_guarantee`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import metrics as verl_metrics
+from . import placeholder
+from .skip_guarantee import SUBSTITUTED, expect_substitution, workers_substitute
 
-MARK = "grpo_patches_old_log_probs_skipped"
 _ENTROPY: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_entropy", default=None)
 
 
@@ -107,18 +110,28 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
         why = explain(True, consumptions, 1, elsewhere is not None) if compute is not None else "a plugin deferred"
         api.note("verl", "old_logprob_pass", f"{why}{f' ({elsewhere})' if elsewhere else ''}", owner=instance)
         return wrapped(*args, **kwargs)
-    import torch
+    if not _workers_ready(instance):
+        return wrapped(*args, **kwargs)
     from verl import DataProto
 
     mask = batch.batch["response_mask"]
-    placeholder = DataProto.from_dict(tensors={
-        "old_log_probs": torch.zeros(mask.shape, dtype=torch.float32),  # never read on-policy
-        "entropys": torch.full(mask.shape, float("nan")),  # trainer's actor/entropy: the actor logs the real one
+    skipped = DataProto.from_dict(tensors={
+        "old_log_probs": placeholder.like(mask),  # the worker substitutes the current log-probs
+        "entropys": placeholder.like(mask),  # trainer's actor/entropy (NaN): the actor logs the real one
     })
-    batch.meta_info[MARK] = True
+    expect_substitution(instance)
     api.note("verl", "old_logprob_pass", explain(False, consumptions, 1, False), owner=instance)
     verl_metrics.report(None, old_logprob_passes_skipped=1)
-    return placeholder, float("nan")  # perf/mfu/actor_infer: no pass ran (not a 0 placeholder)
+    return skipped, float("nan")  # perf/mfu/actor_infer: no pass ran (not a 0 placeholder)
+
+
+def _workers_ready(trainer: Any) -> bool:
+    """Whether the processes that update ``trainer``'s actor substitute a skipped pass (else a note: it runs)."""
+    why = workers_substitute(trainer)
+    if why is not None:
+        api.note("verl", "old_logprob_pass", f"computed: the skip needs the workers' substitution, and {why}",
+                 owner=trainer)
+    return why is None
 
 
 def _decide(trainer: Any, rows: int, elsewhere: str | None) -> bool | None:
@@ -156,43 +169,56 @@ def _v1_needed_elsewhere(trainer: Any) -> str | None:
 def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of 0.9's v1 ``PPOTrainer._compute_old_log_prob(batch, metrics) -> batch``.
 
-    Skipped: ``old_log_probs`` in the TransferQueue is a zero placeholder the actor never reads
-    (the batch is marked in ``extra_info``), no ``entropy`` field and no ``actor/entropy`` metric
-    here: the actor's update logs ``actor/entropy`` from its own forward."""
+    Skipped: ``old_log_probs`` in the TransferQueue is the placeholder, which the worker replaces
+    by the current log-probs however the batch travels between the trainer's stages (no marker:
+    verl's later ``kv_batch_put`` calls return fresh metadata); no ``entropy`` field and no
+    ``actor/entropy`` metric here: the actor's update logs ``actor/entropy`` from its own forward."""
     options = api.active_options("verl")
     if options is None or not options.logprob_skip or instance is None:
         return wrapped(*args, **kwargs)
     batch = args[0] if args else kwargs["batch"]
     elsewhere = _v1_needed_elsewhere(instance)
-    if _decide(instance, len(batch), elsewhere) is not False:
+    if _decide(instance, len(batch), elsewhere) is not False or not _workers_ready(instance):
         return wrapped(*args, **kwargs)
-    import torch
     from tensordict import TensorDict
     from verl.trainer.ppo.v1 import trainer_base
 
     tq = trainer_base.tq
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
     mask = data["response_mask"]
-    placeholder = torch.zeros_like(mask, dtype=torch.float32)  # never read: the loss uses log_prob.detach()
+    old = _nested_like(mask, placeholder.like(mask.values() if mask.is_nested else mask))
     batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                            fields=TensorDict({"old_log_probs": placeholder}, batch_size=data.batch_size))
-    batch.extra_info[MARK] = True
+                            fields=TensorDict({"old_log_probs": old}, batch_size=data.batch_size))
+    expect_substitution(instance)
     verl_metrics.report(None, old_logprob_passes_skipped=1)
     return batch
+
+
+def _nested_like(mask: Any, values: Any) -> Any:
+    """``values`` (one per element of ``mask``) in ``mask``'s layout (jagged rows when it is nested)."""
+    if not getattr(mask, "is_nested", False):
+        return values
+    import torch
+
+    return torch.nested.nested_tensor_from_jagged(values, offsets=mask.offsets())
 
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the legacy ``update_policy``: check the on-policy promise, log the real entropy."""
     data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or not data.meta_info.get(MARK):
+    if instance is None or data is None or "old_log_probs" not in data.batch.keys():
+        return wrapped(*args, **kwargs)
+    old = data.batch["old_log_probs"]
+    if not placeholder.present(old):
         return wrapped(*args, **kwargs)
     config = instance.config
     mini_batches = -(-len(data) // config.ppo_mini_batch_size)
-    if mini_batches != 1 or config.ppo_epochs != 1 or config.get("use_rollout_log_probs", False):
-        raise RuntimeError(
+    if not placeholder.fills(old) or mini_batches != 1 or config.ppo_epochs != 1 \
+            or config.get("use_rollout_log_probs", False):
+        raise placeholder.PlaceholderError(
             f"grpo_patches: the old-logprob pass was skipped but this update is not on-policy ({len(data)} rows, "
-            f"ppo_mini_batch_size={config.ppo_mini_batch_size}, ppo_epochs={config.ppo_epochs}); please report this "
-            "and pass logprob_skip=False to grpo_patches.enable(...)"
+            f"ppo_mini_batch_size={config.ppo_mini_batch_size}, ppo_epochs={config.ppo_epochs}, old log-probs all "
+            f"placeholder: {placeholder.fills(old)}); nothing was trained. Please report this and {placeholder.FIX}"
         )
     captured: list = []
     token = _ENTROPY.set(captured)
@@ -201,6 +227,8 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     finally:
         _ENTROPY.reset(token)
     _log_entropy(out, config, data, captured)
+    out[SUBSTITUTED] = 1.0  # verl's own on-policy path used the current log-probs: the trainer checks this
+    verl_metrics.report(None, old_logprob_substituted_updates=1)
     return out
 
 

@@ -1,19 +1,23 @@
 """The old-logprob pass on on-policy updates, worker side of verl's engine (0.8.0-0.9.1).
 
 The engine's ``ppo_loss`` always reads ``old_log_probs``. When the trainer skipped their pass
-(:mod:`.old_logprobs`: the batch carries the mark as non-tensor data), the update is one
-mini-batch and one epoch, so the first and only forward runs on the weights the pass would
+(:mod:`.old_logprobs`), the worker receives them as the placeholder (:mod:`.placeholder`) on
+every token, whichever trainer (V1 with TransferQueue, or the legacy one) carried them; the
+update is one mini-batch and one epoch, so the first and only forward runs on the weights the pass would
 have used: the loss gets ``old_log_prob = log_prob.detach()`` (what the legacy actor does
 on-policy). Not bitwise: verl's own pass recomputes the log-probs in a separate forward
 (eval mode, its own micro-batches), equal to the training forward's up to floating-point
 noise, so the ratio is exactly 1 here and ``1 +- 1e-7`` there.
 
-* ``TrainingWorker.train_mini_batch`` (wrapped): checks the promise (one mini-batch of this
-  rank's rows, ``epochs == 1``; else a clear error), asks the forward for entropies
+* ``TrainingWorker.train_mini_batch`` (wrapped): on old log-probs that are all placeholder,
+  checks the promise (one mini-batch of this rank's rows, ``epochs == 1``; else a clear error,
+  and a batch only partly placeholder is one too), asks the forward for entropies
   (``calculate_entropy``), and logs ``actor/entropy`` (which the trainer computes from the
   skipped pass) from the training forward's entropies, aggregated over the whole batch and
   all data-parallel ranks exactly as the trainer does. With the zero-advantage filter
   dropping rows it is over the kept rows: ``actor/entropy/kept_rows``, and no ``actor/entropy``.
+  The update reports ``grpo_patches/old_log_probs_substituted`` in verl's metrics: the trainer
+  stops the run when an update after a skipped pass does not (:mod:`.skip_guarantee`).
 * ``forward_step`` (wrapped): collects each micro-batch's entropies.
 * ``get_policy_loss_fn`` (``verl.workers.utils.losses``' binding): ``old_log_prob`` is the
   detached ``log_prob``.
@@ -27,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from .old_logprobs import MARK
+from . import placeholder
+from .skip_guarantee import SUBSTITUTED
 
 _UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_on_policy", default=None)
 
@@ -43,16 +48,11 @@ def active() -> OnPolicyUpdate | None:
     return _UPDATE.get()
 
 
-def _marked(data: Any) -> bool:
-    from verl.utils import tensordict_utils as tu
-
-    return bool(tu.get_non_tensor_data(data=data, key=MARK, default=False))
-
-
 def train_mini_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``TrainingWorker.train_mini_batch(data)``."""
     data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or not _marked(data):
+    if instance is None or data is None or "old_log_probs" not in data.keys() \
+            or not placeholder.present(data["old_log_probs"]):
         return wrapped(*args, **kwargs)
     from verl.utils import tensordict_utils as tu
 
@@ -61,11 +61,12 @@ def train_mini_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     num_mini = tu.get_non_tensor_data(data=data, key="num_mini_batch", default=None)
     epochs = int(tu.get_non_tensor_data(data=data, key="epochs", default=1))
     per_rank = mini // instance.engine.get_data_parallel_size() if mini is not None else rows // max(int(num_mini), 1)
-    if -(-rows // max(per_rank, 1)) != 1 or epochs != 1:
-        raise RuntimeError(
+    complete = placeholder.fills(data["old_log_probs"])
+    if not complete or -(-rows // max(per_rank, 1)) != 1 or epochs != 1:
+        raise placeholder.PlaceholderError(
             f"grpo_patches: the old-logprob pass was skipped but this update is not on-policy ({rows} rows on this rank, "
-            f"{per_rank} per mini-batch, {epochs} epochs); please report this and pass logprob_skip=False to "
-            "grpo_patches.enable(...)"
+            f"{per_rank} per mini-batch, {epochs} epochs, old log-probs all placeholder: {complete}); nothing was "
+            f"trained. Please report this and {placeholder.FIX}"
         )
     update = OnPolicyUpdate()
     if not tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False):
@@ -81,6 +82,7 @@ def train_mini_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         if update.forced_entropy:
             metrics.pop("actor/entropy_loss", None)  # verl logs it only when asked for entropies
         _log_entropy(metrics, instance, update, rows)
+        metrics[SUBSTITUTED] = [1.0]  # the trainer checks that the update after a skipped pass says so
     verl_metrics.report(None, old_logprob_substituted_updates=1)
     return output
 

@@ -6,13 +6,17 @@ verl builds a reference model and runs its log-prob pass whenever ``actor.use_kl
 ``ray_trainer`` and, in 0.9, ``main_ppo_v0`` and ``v1/trainer_base``, so every binding is
 wrapped). When the ``grpo_skip_reference_pass`` hook says no coefficient can be non-zero, it
 answers False: verl then creates no reference worker (no second model in memory) and skips
-the pass by its own ``if self.use_reference_policy``. The consumers that still ask for
-``ref_log_prob`` get a finite placeholder whose every use is multiplied by the coefficient 0
-(bitwise-identical gradients), and the metrics computed from it are not logged:
+the pass by its own ``if self.use_reference_policy``. No placeholder stands in for the
+reference log-probs:
 
-* legacy actor (``update_policy``) and engine (``forward_backward_batch``): ``actor/kl_loss``,
-  ``actor/kl_coef`` / ``kl_loss``, ``kl_coef``;
-* ``apply_kl_penalty`` (in-reward KL, fixed controller at 0): ``actor/reward_kl_penalty``.
+* legacy actor (``update_policy``) and engine (``forward_backward_batch``): verl's loss runs
+  with ``use_kl_loss=False`` on a copy of the actor config (verl would add ``kl_loss * 0.0``:
+  ``x + 0 * kl == x``, so the gradients are bitwise the same), so it never asks for
+  ``ref_log_prob`` and logs no ``actor/kl_loss``/``kl_loss``/``kl_coef`` metric;
+* ``apply_kl_penalty`` (in-reward KL, fixed controller at 0): the penalty is computed against
+  the old log-probs themselves (a KL of exactly 0, times 0); ``actor/reward_kl_penalty`` is not
+  logged. In-reward KL always keeps the old-logprob pass (:mod:`.old_logprobs`); should a skipped
+  pass's placeholder ever get here, it raises (:class:`~.placeholder.PlaceholderError`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from grpo_patches import api
 
 from . import metrics as verl_metrics
 
-#: Legacy ``update_policy`` / engine ``ppo_loss`` metrics computed from the placeholder.
+#: Legacy ``update_policy`` / engine ``ppo_loss`` metrics of the KL loss (not logged at coefficient 0).
 KL_METRICS = ("actor/kl_loss", "actor/kl_coef", "kl_loss", "kl_coef")
 
 
@@ -96,14 +100,34 @@ def _zero_coefficient(config: Any) -> bool:
     return bool(getattr(config, "use_kl_loss", False)) and float(getattr(config, "kl_loss_coef", 0.0)) == 0.0
 
 
+def without_kl_loss(config: Any) -> Any:
+    """A shallow copy of an actor config with ``use_kl_loss=False`` (verl's configs are frozen dataclasses)."""
+    import copy
+    import dataclasses
+
+    clone = copy.copy(config)
+    if dataclasses.is_dataclass(clone):
+        object.__setattr__(clone, "use_kl_loss", False)
+    else:  # an OmegaConf DictConfig
+        from omegaconf import open_dict
+
+        with open_dict(clone):
+            clone.use_kl_loss = False
+    return clone
+
+
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the legacy ``DataParallelPPOActor.update_policy(data)``: a placeholder
-    ``ref_log_prob`` when the reference pass was skipped (KL coefficient 0)."""
+    """wrapt wrapper of the legacy ``DataParallelPPOActor.update_policy(data)``: without reference
+    log-probs (KL coefficient 0), the update runs with the KL loss off."""
     data = args[0] if args else kwargs.get("data")
     if instance is None or data is None or not _zero_coefficient(instance.config) or "ref_log_prob" in data.batch.keys():
         return wrapped(*args, **kwargs)
-    data.batch["ref_log_prob"] = data.batch["old_log_probs"].clone()  # finite; multiplied by kl_loss_coef == 0
-    out = wrapped(*args, **kwargs)
+    config = instance.config
+    instance.config = without_kl_loss(config)  # verl reads self.config.use_kl_loss inside update_policy
+    try:
+        out = wrapped(*args, **kwargs)
+    finally:
+        instance.config = config
     for name in KL_METRICS:
         out.pop(name, None)
     verl_metrics.report(out, reference_passes_skipped=1)
@@ -111,18 +135,28 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
 
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the engine's ``FSDPEngine.forward_backward_batch``: the same placeholder."""
+    """wrapt wrapper of the engine's ``FSDPEngine.forward_backward_batch``: without reference
+    log-probs (KL coefficient 0), verl's ``ppo_loss`` runs with the KL loss off."""
+    import functools
+
     from .engine_filter import _bind, actor_config_of
 
     data, loss_function, forward_only = _bind(*args, **kwargs)
     config = actor_config_of(loss_function)
-    if forward_only or config is None or not _zero_coefficient(config) or "ref_log_prob" in data.keys():
+    if forward_only or config is None or not _zero_coefficient(config) or "ref_log_prob" in data.keys() \
+            or not isinstance(loss_function, functools.partial):
         return wrapped(*args, **kwargs)
-    data["ref_log_prob"] = data["old_log_probs"].clone()
-    output = wrapped(*args, **kwargs)
+    loss = functools.partial(loss_function.func, *loss_function.args,
+                             **{**loss_function.keywords, "config": without_kl_loss(config)})
+    from verl.utils import tensordict_utils as tu
+
+    last = bool(tu.get_non_tensor_data(data=data, key="update_lr_scheduler", default=True))
+    output = wrapped(data, loss, forward_only)
     for name in KL_METRICS:
         output["metrics"].pop(name, None)
-    verl_metrics.report(None, reference_passes_skipped=1)
+    if last:  # once per update (verl's last mini-batch of it), as the pass would have run once
+        verl_metrics.report(None, reference_passes_skipped=1)
+        output["metrics"][verl_metrics.PREFIX + "reference_passes_skipped"] = [1.0]
     return output
 
 
@@ -132,10 +166,16 @@ def apply_kl_penalty(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     kl_ctrl = args[1] if len(args) > 1 else kwargs["kl_ctrl"]
     if "ref_log_prob" in data.batch.keys() or float(kl_ctrl.value) != 0.0:
         return wrapped(*args, **kwargs)
+    from .placeholder import FIX, PlaceholderError, present
+
+    if present(data.batch["old_log_probs"]):
+        raise PlaceholderError("grpo_patches: the in-reward KL penalty would read a skipped old-logprob pass's "
+                               f"placeholder (algorithm.use_kl_in_reward should have kept the pass); please report "
+                               f"this and {FIX}")
     data.batch["ref_log_prob"] = data.batch["old_log_probs"]  # KL exactly 0; times beta == 0 anyway
     try:
         data, kl_metrics = wrapped(*args, **kwargs)
     finally:
         data.batch.pop("ref_log_prob")
-    kl_metrics.pop("actor/reward_kl_penalty", None)  # computed from the placeholder
+    kl_metrics.pop("actor/reward_kl_penalty", None)  # a KL against the old log-probs themselves
     return data, kl_metrics

@@ -1,0 +1,152 @@
+"""When the trainer may skip the old-logprob pass, and the proof afterwards that it was right to.
+
+The trainer (the driver, or verl's ``TaskRunner`` actor) and the processes that update the
+actor (Ray workers) are patched separately: ``GRPO_PATCHES=verl`` reaches a worker only through
+its environment, and a worker may run with other options or without grpo_patches. A skipped
+pass leaves a placeholder (:mod:`.placeholder`) that only a patched worker replaces, so:
+
+1. :func:`workers_substitute` (once per trainer): the pass is skipped only when every process
+   that runs the actor's update has the verl adapter on with ``logprob_skip`` and every
+   worker-side record of it applied. It asks them: a Ray worker group's actors are probed
+   through Ray's ``__ray_call__`` (the function runs in the worker process); a worker group
+   without Ray actors (an in-process stand-in) runs its actor here, so this process is asked.
+   Anything else (no answer, an older Ray): the pass runs, with the reason in ``status()``.
+2. :func:`expect_substitution` / the ``_update_actor`` wrappers: the update that follows a
+   skipped pass must report ``grpo_patches/old_log_probs_substituted`` in verl's metrics (the
+   worker's substitution says so); if it does not, the run stops with
+   :class:`~.placeholder.PlaceholderError`. A worker without grpo_patches gets a NaN loss from
+   the placeholder, and verl skips that optimizer step (non-finite grad norm): nothing was
+   trained on it, and the run stops here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from grpo_patches import instance_state
+
+from .placeholder import FIX, PlaceholderError
+
+#: The metric the worker's substitution reports (verl's trainer may prefix it with ``actor/``).
+SUBSTITUTED = "grpo_patches/old_log_probs_substituted"
+#: The trainer's metric of a skipped pass (logged with the update that followed it).
+SKIPPED = "grpo_patches/old_logprob_passes_skipped"
+#: The modules whose records run in the process that updates the actor.
+WORKER_MODULES = ("verl.workers.actor.dp_actor", "verl.workers.engine.fsdp.transformer_impl",
+                  "verl.workers.engine_workers", "verl.workers.utils.losses")
+_UNKNOWN = object()
+
+
+@dataclass
+class TrainerState:
+    """What the verl adapter remembers about one trainer.
+
+    :ivar workers: ``None`` once every actor-update process was seen to substitute, else why
+        not (``_UNKNOWN`` before the first probe).
+    :ivar pending: the last old-logprob pass was skipped; the next actor update must confirm.
+    """
+
+    workers: Any = _UNKNOWN
+    pending: bool = False
+
+
+def trainer_state(trainer: Any) -> TrainerState:
+    return instance_state.state_of(trainer, "verl", TrainerState)
+
+
+def worker_ready() -> str | None:
+    """In a process that updates the actor: ``None`` when it substitutes skipped old log-probs, else why not."""
+    import grpo_patches
+
+    verl = grpo_patches.status()["verl"]
+    where = verl["process"]
+    options = verl.get("options")
+    if not verl.get("patched") or options is None:
+        return f"the verl adapter is not enabled in the worker ({where}): set GRPO_PATCHES=verl for every Ray worker"
+    if not options.get("logprob_skip"):
+        return f"logprob_skip is off in the worker ({where})"
+    rows = [r for r in verl.get("patches", []) if r["target"].partition(":")[0] in WORKER_MODULES
+            and r["option"] in ("logprob_skip", None)]
+    missing = sorted({r["target"] for r in rows if r["state"] != "applied"})
+    if not rows or missing:
+        return f"the worker's substitution is not in place ({where}: {', '.join(missing) or 'no records'})"
+    return None
+
+
+def _probe(actor: Any) -> str | None:
+    """Run in a Ray worker by ``__ray_call__`` (``actor``: the worker object, unused)."""
+    return worker_ready()
+
+
+def workers_substitute(trainer: Any) -> str | None:
+    """``None`` when every process that updates ``trainer``'s actor substitutes, else why not (cached)."""
+    own = trainer_state(trainer)
+    if own.workers is _UNKNOWN:
+        own.workers = _ask(getattr(trainer, "actor_rollout_wg", None))
+    return own.workers
+
+
+def _ask(group: Any) -> str | None:
+    handles = list(getattr(group, "workers", None) or [])
+    if not handles:  # no Ray actors: the group runs the actor in this process
+        return worker_ready()
+    try:
+        import ray
+
+        answers = ray.get([h.__ray_call__.remote(_probe) for h in handles], timeout=120)
+    except Exception as exc:  # noqa: BLE001  (any failure: the pass runs)
+        return f"could not ask the actor's Ray workers whether they substitute ({type(exc).__name__}: {exc})"
+    problems = sorted({a for a in answers if a is not None})
+    return "; ".join(problems) if problems else None
+
+
+def expect_substitution(trainer: Any) -> None:
+    trainer_state(trainer).pending = True
+
+
+def _confirmed(metrics: dict) -> bool:
+    for name, value in (metrics or {}).items():
+        if name.endswith(SUBSTITUTED):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if values and all(float(v) > 0 for v in values):
+                return True
+    return False
+
+
+def _check(expected: bool, metrics: dict) -> None:
+    if expected and not _confirmed(metrics):
+        raise PlaceholderError(
+            "grpo_patches: the trainer skipped the old-logprob pass, but the actor update did not report "
+            f"substituting the current log-probs ({SUBSTITUTED} missing from its metrics): a worker is not "
+            "patched the way the trainer is. verl skipped that optimizer step (its loss was NaN). Run every "
+            f"Ray worker with GRPO_PATCHES=verl and the same options, or {FIX}"
+        )
+
+
+def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy trainer's ``RayPPOTrainer._update_actor(batch) -> DataProto``."""
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    own = trainer_state(instance)
+    expected, own.pending = own.pending, False
+    output = wrapped(*args, **kwargs)
+    metrics = getattr(output, "meta_info", {}).get("metrics", {})
+    _check(expected, metrics)
+    if expected:  # the saving, in verl's own metrics (the trainer logs its update's)
+        metrics[SKIPPED] = 1.0
+    return output
+
+
+def update_actor_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the V1 trainer's ``PPOTrainer._update_actor(batch, metrics)`` (fills ``metrics``)."""
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    own = trainer_state(instance)
+    expected, own.pending = own.pending, False
+    metrics = args[1] if len(args) > 1 else kwargs.get("metrics")
+    output = wrapped(*args, **kwargs)
+    _check(expected, metrics)
+    if expected and metrics is not None:
+        metrics[SKIPPED] = 1.0
+    return output
