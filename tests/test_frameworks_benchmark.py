@@ -185,4 +185,12 @@ def test_the_verl_main_ppo_runner_scores_as_the_workload():
     for prompt, truth in zip(prompts, truths):
         for completion in ("ba be", "ca", "zus 7 8"):
             assert fw_verl_v1.compute_score("grpo_e2e", completion, truth) == workload.reward(SPEC, prompt, completion)
-    assert frameworks.VENVS["verl_v1"] == "verl" and frameworks.FRAMEWORKS["verl_v1"] == "verl"
+    assert frameworks.ADAPTERS["verl_v1"] == "verl" and frameworks.FRAMEWORKS["verl_v1"] == "verl"
+
+
+def test_the_main_ppo_runner_takes_the_newest_engine_line_verl_and_the_legacy_runner_the_newest_legacy():
+    pool = [interpreters.Interpreter("a", "a", "0.7.1"), interpreters.Interpreter("b", "b", "0.9.1"),
+            interpreters.Interpreter("c", "c", "0.8.0")]
+    assert interpreters.choose("verl_v1", pool, registry.get("verl").supported)[0].python == "b"
+    assert interpreters.choose("verl", pool, registry.get("verl").supported)[0].python == "a"
+    assert interpreters.choose("verl_v1", pool[:1], registry.get("verl").supported)[0] is None
