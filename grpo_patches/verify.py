@@ -30,7 +30,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from grpo_patches import verify_log
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning
@@ -58,12 +58,15 @@ class Verdict:
     :ivar measured: the figure agreed over the ranks.
     :ivar tolerance: the tolerance it was held to.
     :ivar metrics: ``{"grpo_patches/verify/<quantity>": measured}`` for the framework's logs.
+    :ivar reason: why the optimizations were switched off (``ok=False``), as ``status()`` says
+        it; an adapter repeats it in its per-class notes. Empty when ``ok``.
     """
 
     ok: bool
     measured: float
     tolerance: float
     metrics: dict[str, float]
+    reason: str = ""
 
 
 def settings(framework: str) -> tuple[int | None, str, float | None]:
@@ -175,33 +178,86 @@ def agree(values: Mapping[str, float], group: Any = None) -> dict[str, float]:
     return {k: (math.inf if v >= big else v) for k, v in zip(cleaned, flat.tolist())}
 
 
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Run the block and restore the random states it consumed (torch CPU and CUDA, Python's
-    ``random``, NumPy's global generator): the step after a verify step draws what it would
-    have drawn without verification."""
+@dataclass(frozen=True)
+class RngState:
+    """The random states a verify step restores (:func:`rng_state`, :func:`set_rng_state`)."""
+
+    cpu: Any
+    cuda: Any
+    python: Any
+    numpy: Any
+
+
+def rng_state() -> RngState:
+    """The current random states: torch CPU and CUDA (when initialised), Python's ``random``,
+    NumPy's global generator."""
     import random
 
     import torch
 
-    cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    py = random.getstate()
     try:
         import numpy
 
         np_state = numpy.random.get_state()
     except ImportError:  # pragma: no cover
-        numpy, np_state = None, None
+        np_state = None
+    return RngState(torch.get_rng_state(), cuda, random.getstate(), np_state)
+
+
+def set_rng_state(state: RngState) -> None:
+    """Put back the random states :func:`rng_state` returned.
+
+    An adapter runs the patched and the unpatched computation of a verify step from the same
+    state, then sets the state the chosen one left: the next step draws what it would have
+    drawn in a run of the chosen computation alone."""
+    import random
+
+    import torch
+
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state_all(state.cuda)
+    random.setstate(state.python)
+    if state.numpy is not None:
+        import numpy
+
+        numpy.random.set_state(state.numpy)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run the block and restore the random states it consumed (torch CPU and CUDA, Python's
+    ``random``, NumPy's global generator): the step after a verify step draws what it would
+    have drawn without verification."""
+    state = rng_state()
     try:
         yield
     finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(py)
-        if numpy is not None:
-            numpy.random.set_state(np_state)
+        set_rng_state(state)
+
+
+def match_rows(rows: Sequence["torch.Tensor"], among: Sequence["torch.Tensor"]) -> list[list[int]]:
+    """For each row of ``rows``, the indices of the rows of ``among`` equal to it in every tensor.
+
+    ``rows`` and ``among`` are parallel lists of ``[n, ...]`` and ``[N, ...]`` tensors (e.g. the
+    prompt and completion ids and masks of a micro-batch, and of the rollout it was cut from).
+    A framework that shuffles and splits a rollout into micro-batches keeps no row index; the
+    content finds the rows again (identical rows have identical inputs, hence identical values
+    of any pass computed on them). An empty list: the row is not among them."""
+    import torch
+
+    if len(rows) != len(among) or not rows:
+        raise ValueError(f"match_rows: {len(rows)} tensors against {len(among)}")
+    n, total = int(rows[0].size(0)), int(among[0].size(0))
+    equal = torch.ones(n, total, dtype=torch.bool, device=rows[0].device)
+    for mine, theirs in zip(rows, among):
+        if mine.shape[1:] != theirs.shape[1:]:
+            return [[] for _ in range(n)]
+        a, b = mine.reshape(n, -1), theirs.to(mine.device).reshape(total, -1)
+        for i in range(n):  # one row at a time: [N, width] at most, whatever n
+            equal[i] &= (b == a[i]).all(dim=1)
+    return [torch.nonzero(equal[i]).flatten().tolist() for i in range(n)]
 
 
 def grads_of(loss: "torch.Tensor", params: Sequence["torch.Tensor"], retain_graph: bool = False) -> list:
@@ -257,4 +313,56 @@ def check(framework: str, optimizations: Sequence[str], step: int, quantity: str
         api.switch_off(framework, option, reason)
     warnings.warn(f"grpo_patches verify: {framework}: {', '.join(names)} {reason}; this step uses the unpatched "
                   "result and the run goes on without them", GrpoPatchesWarning, stacklevel=2)
-    return Verdict(False, agreed, limit, metrics)
+    return Verdict(False, agreed, limit, metrics, reason)
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """What :func:`compare_gradients` concluded for one micro-batch.
+
+    :ivar loss: hand it to the framework's own backward: its value is the chosen computation's
+        loss and its backward accumulates exactly the chosen gradient.
+    :ivar verdict: the comparison's :class:`Verdict` (``ok=False``: the unpatched one is used).
+    :ivar noise_floor: the relative L2 between the unpatched gradient and its repeat (half
+        precision only), ``None`` without a repeat.
+    :ivar patched: whether the patched computation was kept.
+    """
+
+    loss: "torch.Tensor"
+    verdict: Verdict
+    noise_floor: float | None
+    patched: bool
+
+
+def compare_gradients(framework: str, optimizations: Sequence[str], step: int, params: Sequence["torch.Tensor"],
+                      patched: Callable[[], "torch.Tensor"], unpatched: Callable[[], "torch.Tensor"],
+                      repeat: Callable[[], "torch.Tensor"] | None = None, dtype: Any = None, group: Any = None,
+                      detail: str = "") -> GradientCheck:
+    """Compare one micro-batch's gradient, patched vs unpatched, and choose the one to accumulate.
+
+    Each callable computes a scalar loss on the same inputs and weights; they run in the order
+    ``patched``, ``unpatched``, ``repeat`` and each gradient is taken (:func:`grads_of`, ``.grad``
+    untouched) before the next runs, so one graph is alive at a time. The adapter makes them
+    start from the same random state and leave no other trace (:func:`rng_state`).
+    ``repeat``: the unpatched computation with the rows in another order, for the noise floor
+    of a half-precision ``dtype`` (:func:`tolerance`); not run in fp32.
+
+    The figure is ``grad_rel_diff`` (:func:`rel_l2`, patched against unpatched), judged by
+    :func:`check` (agreed over ``group``'s ranks; raises with ``verify_action="raise"``).
+
+    :returns: the loss to hand to the framework's backward (:func:`as_loss` of the chosen
+        gradient: the patched one within tolerance, else the unpatched one).
+    """
+    loss_p = patched()
+    grads_p = grads_of(loss_p, params)
+    loss_u = unpatched()
+    grads_u = grads_of(loss_u, params)
+    floor = None
+    if repeat is not None and _half_eps(dtype) is not None:
+        floor = rel_l2(grads_of(repeat(), params), grads_u)
+    measured = rel_l2(grads_p, grads_u)
+    verdict = check(framework, optimizations, step, "grad_rel_diff", measured,
+                    tolerance(framework, dtype, floor), group=group, detail=detail)
+    if verdict.ok:
+        return GradientCheck(as_loss(loss_p, params, grads_p), verdict, floor, True)
+    return GradientCheck(as_loss(loss_u, params, grads_u), verdict, floor, False)
