@@ -25,6 +25,9 @@ class TrainerState:
     :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
     :ivar unpatched: set while verify mode runs the unpatched computation of a micro-step
         (:mod:`.verify`): the loss wrappers and the policy-forward routing pass straight through.
+    :ivar verifying: set while verify mode runs the patched computation of a micro-step: a
+        placeholder the loss would read is left NaN (the gradient comparison catches it, and
+        the patched result is then never used) instead of raising.
     :ivar verify_capture: armed while a generation call runs the old-logprob pass only for
         verification (:class:`.verify_rollout.Capture`).
     :ivar verify_rollout: the latest rollout's old-logprob pass over every row, kept when a
@@ -41,6 +44,7 @@ class TrainerState:
     loss_call: Any = None
     totals: dict[tuple[str, str], float] = field(default_factory=dict)
     unpatched: bool = False
+    verifying: bool = False
     verify_capture: Any = None
     verify_rollout: Any = None
 

@@ -24,7 +24,11 @@ figure (one all-reduce), so all ranks reach the same verdict. The micro-step ret
 loss (:func:`grpo_patches.verify.as_loss`: TRL's backward, loss scaling and DDP hooks
 accumulate exactly the chosen gradient); the random state, TRL's metrics and attributes and
 the adapter's counters are those the chosen computation left (:mod:`.verify_trace`), plus the
-figures (:func:`.metrics.record_verify`, the worst of the logging step).
+figures (:func:`.metrics.record_verify`, the worst of the logging step). A placeholder of the
+deferred pass that the patched loss would read (a filter plugin whose decision at generation
+and in the loss differ) is left NaN on a verify step instead of raising
+:class:`~grpo_patches.errors.PlaceholderError`: the gradient difference is then infinite, and
+the patched result is never used.
 
 On a mismatch, ``verify_action="raise"`` stops the run before the step's update
 (:class:`grpo_patches.ExactnessError`); ``"disable"`` switches the optimizations off for the
@@ -101,9 +105,15 @@ class MicroStep:
         self.unpatched_end: tuple | None = None
 
     def patched(self) -> tuple[Any, Any, tuple]:
-        """The micro-step as without verification: (loss, its LossCall, (trace, random state))."""
-        with loss_call(self.trainer) as call:
-            loss = self.wrapped(*self.args, **self.kwargs)
+        """The micro-step as without verification: (loss, its LossCall, (trace, random state)).
+        A placeholder it would read stays NaN (``state.verifying``): the comparison catches it."""
+        own = state.of(self.trainer)
+        own.verifying = True
+        try:
+            with loss_call(self.trainer) as call:
+                loss = self.wrapped(*self.args, **self.kwargs)
+        finally:
+            own.verifying = False
         return loss, call, (self.trace.take(), verify.rng_state())
 
     def unpatched(self, inputs: Mapping[str, Any] | None = None) -> tuple[Any, tuple]:
@@ -149,7 +159,9 @@ class MicroStep:
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,
             dtype=verify_rollout.compute_dtype(self.trainer),
-            detail="the micro-step's gradient against TRL's unpatched loss",
+            detail="the micro-step's gradient against TRL's unpatched loss" + (
+                "" if bool(patched_loss.detach().isfinite().all()) else
+                "; the patched loss is not finite: a NaN placeholder of the deferred old-logprob pass reached it"),
         )
         self.figures.update(result.verdict.metrics)
         if result.noise_floor is not None:
