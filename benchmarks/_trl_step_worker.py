@@ -103,6 +103,8 @@ def run(spec: dict) -> dict:
         "grad_norm": [row["grad_norm"] for row in logs if "grad_norm" in row],
         "frac_reward_zero_std": [row["frac_reward_zero_std"] for row in logs if "frac_reward_zero_std" in row],
         "savings": savings.totals("trl"),
+        "verify_figures": {name: max(row[name] for row in logs if name in row)
+                           for name in {n for row in logs for n in row if n.startswith("grpo_patches/verify/")}},
         "wall_s": wall,
         "torch_threads": torch.get_num_threads(),
     }

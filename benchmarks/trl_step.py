@@ -9,8 +9,13 @@ run: the mean per optimizer step over the steps after the warm-up (an even numbe
 steps_per_generation=2 repeats every 2 optimizer steps); reported: the median over rounds, and
 the ratio to the unpatched run of the same round (median over rounds).
 
+``--verify`` adds grpo_patches with ``verify_every=1`` (every optimizer step is a verify step)
+and reports the cost of a verify step against a normal one: its training side over the
+patched run's of the same round (median over rounds), with the largest verify figures logged.
+
     python benchmarks/trl_step.py --quick           # smoke test: small model, 1 round (~3 min)
     python benchmarks/trl_step.py                   # the issue's setup, 3 rounds (~30-40 min on 2 cores)
+    python benchmarks/trl_step.py --quick --verify --fractions 0.5 --variants patched --rounds 3
 
 Writes a table (stdout and ``trl_step.md``), ``trl_step.json`` and ``trl_step.png`` to --out-dir.
 """
@@ -37,9 +42,11 @@ VARIANTS = {  # name -> grpo_patches.enable options (None: unpatched)
     "unpatched": None,
     "patched": {},
     "patched_metrics": {"dropped_rows_metrics": True},
+    "patched_verify": {"verify_every": 1},  # --verify: every step a verify step
 }
 VARIANT_LABELS = {"unpatched": "unpatched", "patched": "patched (defaults)",
-                  "patched_metrics": "patched, dropped_rows_metrics=True"}
+                  "patched_metrics": "patched, dropped_rows_metrics=True",
+                  "patched_verify": "patched, verify_every=1"}
 TARGET = 0.30  # training side at 75 % zero-advantage rows <= 0.30 x unpatched
 QUICK = {"hidden": 64, "layers": 2, "vocab": 1024, "completion_tokens": 16, "steps": 4, "warmup": 2, "rounds": 1}
 
@@ -47,7 +54,10 @@ QUICK = {"hidden": 64, "layers": 2, "vocab": 1024, "completion_tokens": 16, "ste
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 0.75], help="zero-advantage row shares")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                   default=[v for v in VARIANTS if v != "patched_verify"])
+    p.add_argument("--verify", action="store_true",
+                   help="add patched with verify_every=1 (and patched): the cost of a verify step vs a normal one")
     p.add_argument("--rounds", type=int, default=3, help="round-robin repetitions (median)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
@@ -69,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.steps - args.warmup) <= 0:
         p.error("--steps must exceed --warmup")
+    if args.verify:
+        args.variants = list(dict.fromkeys([*args.variants, "patched", "patched_verify"]))
     return args
 
 
@@ -115,6 +127,15 @@ def summarize(runs: list[dict], variants: list[str], fractions: list[float]) -> 
             for key, name in (("vs_unpatched", "trainer_side"), ("cpu_vs_unpatched", "cpu_trainer_side")):
                 ratios = [r["per_step"][name] / base[r["round"]]["per_step"][name] for r in mine if r["round"] in base]
                 row[key] = statistics.median(ratios) if ratios else None
+            if variant == "patched_verify":  # a verify step against a normal patched one, same round
+                normal = {r["round"]: r for r in runs if r["variant"] == "patched" and r["fraction"] == fraction
+                          and r["status"] == "ok"}
+                for key, name in (("vs_patched", "trainer_side"), ("cpu_vs_patched", "cpu_trainer_side")):
+                    ratios = [r["per_step"][name] / normal[r["round"]]["per_step"][name] for r in mine
+                              if r["round"] in normal]
+                    row[key] = statistics.median(ratios) if ratios else None
+                row["verify_figures"] = {name: max(r["verify_figures"].get(name, 0.0) for r in mine)
+                                         for name in sorted({n for r in mine for n in r.get("verify_figures", {})})}
             first = [abs(r["grad_norm"][0] / base[r["round"]]["grad_norm"][0] - 1)
                      for r in mine if r["round"] in base and r["grad_norm"] and base[r["round"]]["grad_norm"]]
             row["grad_norm_step1_rel_diff"] = max(first) if first else None
@@ -199,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nSeconds per optimizer step ({setup}; {date}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, {time.time() - started:.0f} s in all):\n")
     print(table)
+    for r in rows:
+        if r["status"] == "ok" and r["variant"] == "patched_verify" and r.get("vs_patched") is not None:
+            figures = ", ".join(f"{name.rsplit('/', 1)[-1]} <= {value:.1e}" for name, value in r["verify_figures"].items())
+            print(f"\nVerify step cost at {r['fraction']:.0%} zero rows: {r['vs_patched']:.2f}x a normal patched step "
+                  f"(training side, wall; {r['cpu_vs_patched']:.2f}x CPU; median over {r['runs']} round(s)); "
+                  f"figures: {figures or 'none'}")
     at75 = [r for r in rows if r["status"] == "ok" and r["fraction"] == 0.75 and r["variant"] == "patched"]
     if at75 and at75[0]["vs_unpatched"] is not None:
         wall, cpu = at75[0]["vs_unpatched"], at75[0]["cpu_vs_unpatched"]

@@ -49,3 +49,11 @@ class ExactnessError(GrpoPatchesError, RuntimeError):
             f"update. Pass verify_action='disable' to continue without {names}, or {names.split(', ')[0]}=False, "
             "and please report it with grpo_patches.status()"
         )
+
+
+class PlaceholderError(GrpoPatchesError, RuntimeError):
+    """A placeholder standing in for a skipped pass reached a loss that would read it.
+
+    Placeholders (e.g. the old log-probs of rows the deferred pass left out) are NaN and never
+    readable: the adapter replaces them where no gradient can come of them and raises this
+    where one would."""

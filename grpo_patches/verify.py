@@ -20,20 +20,34 @@ the tolerance, ``verify_action="raise"`` raises :class:`~grpo_patches.errors.Exa
 ``status()``) and the verdict tells the adapter to use the unpatched result for this step.
 
 A verify step must leave no trace besides its metrics: :func:`preserved_rng` restores the
-random states the extra computation consumed, :func:`grads_of` does not touch ``.grad``.
+random states the extra computation consumed (:func:`rng_state` / :func:`set_rng_state` let an
+adapter leave the state the chosen computation left), :func:`grads_of` does not touch ``.grad``.
+:func:`compare_gradients` is the gradient comparison of one micro-batch every adapter runs.
+The measuring functions live in :mod:`grpo_patches.verify_measure` and are re-exported here.
 torch is imported only by the functions that compute.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from grpo_patches import verify_log
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning
+from grpo_patches.verify_measure import (  # noqa: F401  (verify mode's API, in one namespace)
+    RngState,
+    agree,
+    as_loss,
+    grads_of,
+    match_rows,
+    max_abs_diff,
+    preserved_rng,
+    rel_l2,
+    rng_state,
+    set_rng_state,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -58,12 +72,15 @@ class Verdict:
     :ivar measured: the figure agreed over the ranks.
     :ivar tolerance: the tolerance it was held to.
     :ivar metrics: ``{"grpo_patches/verify/<quantity>": measured}`` for the framework's logs.
+    :ivar reason: why the optimizations were switched off (``ok=False``), as ``status()`` says
+        it; an adapter repeats it in its per-class notes. Empty when ``ok``.
     """
 
     ok: bool
     measured: float
     tolerance: float
     metrics: dict[str, float]
+    reason: str = ""
 
 
 def settings(framework: str) -> tuple[int | None, str, float | None]:
@@ -105,127 +122,6 @@ def _half_eps(dtype: Any) -> float | None:
     return {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(name)
 
 
-def rel_l2(measured: Sequence["torch.Tensor | None"], reference: Sequence["torch.Tensor | None"]) -> float:
-    """``||measured - reference|| / ||reference||`` over lists of tensors (``None`` counts as zeros),
-    in float64. ``0.0`` when both are zero; ``inf`` when only the reference is."""
-    import torch
-
-    if len(measured) != len(reference):
-        raise ValueError(f"rel_l2: {len(measured)} tensors against {len(reference)}")
-    diff = torch.zeros((), dtype=torch.float64)
-    norm = torch.zeros((), dtype=torch.float64)
-    for a, b in zip(measured, reference):
-        if a is None and b is None:
-            continue
-        a64 = _local(a).double() if a is not None else None
-        b64 = _local(b).double() if b is not None else None
-        if b64 is not None:
-            norm = norm + b64.pow(2).sum().cpu()
-        delta = a64 if b64 is None else (b64.neg() if a64 is None else a64 - b64)
-        diff = diff + delta.pow(2).sum().cpu()
-    diff, norm = diff.sqrt().item(), norm.sqrt().item()
-    if not math.isfinite(diff):
-        return math.inf
-    if norm == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / norm
-
-
-def max_abs_diff(measured: "torch.Tensor", reference: "torch.Tensor", mask: "torch.Tensor | None" = None) -> float:
-    """The largest ``|measured - reference|`` where ``mask`` is set (everywhere without one);
-    ``inf`` when a compared value is not finite (a NaN placeholder reaching the loss, say)."""
-    import torch
-
-    delta = (_local(measured).double() - _local(reference).double()).abs()
-    if mask is not None:
-        keep = _local(mask).bool()
-        delta = delta[keep]
-    if delta.numel() == 0:
-        return 0.0
-    if not bool(torch.isfinite(delta).all()):
-        return math.inf
-    return float(delta.max().item())
-
-
-def _local(t: "torch.Tensor") -> "torch.Tensor":
-    """A DTensor's full value (gradients of sharded parameters), else the tensor itself."""
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t.detach()
-
-
-def agree(values: Mapping[str, float], group: Any = None) -> dict[str, float]:
-    """The maximum of each figure over the ranks of ``group`` (one all-reduce; NaN counts as
-    ``inf``), so that every rank reaches the same verdict. Without ``torch.distributed`` (or
-    with one rank) the figures themselves."""
-    cleaned = {k: (math.inf if not math.isfinite(v) else float(v)) for k, v in values.items()}
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed
-        return cleaned
-    if not cleaned or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return cleaned
-    import torch
-
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    # inf does not survive every backend's max: send a large finite stand-in, map it back
-    big = 1e300
-    flat = torch.tensor([min(v, big) for v in cleaned.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    return {k: (math.inf if v >= big else v) for k, v in zip(cleaned, flat.tolist())}
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Run the block and restore the random states it consumed (torch CPU and CUDA, Python's
-    ``random``, NumPy's global generator): the step after a verify step draws what it would
-    have drawn without verification."""
-    import random
-
-    import torch
-
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    py = random.getstate()
-    try:
-        import numpy
-
-        np_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover
-        numpy, np_state = None, None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(py)
-        if numpy is not None:
-            numpy.random.set_state(np_state)
-
-
-def grads_of(loss: "torch.Tensor", params: Sequence["torch.Tensor"], retain_graph: bool = False) -> list:
-    """``d loss / d params`` without touching ``.grad`` (``None`` for a parameter the loss does not use)."""
-    import torch
-
-    wanted = [p for p in params if p.requires_grad]
-    grads = iter(torch.autograd.grad(loss, wanted, retain_graph=retain_graph, allow_unused=True))
-    return [next(grads) if p.requires_grad else None for p in params]
-
-
-def as_loss(value: "torch.Tensor", params: Sequence["torch.Tensor"], grads: Sequence["torch.Tensor | None"]) -> "torch.Tensor":
-    """A scalar equal to ``value`` whose backward accumulates exactly ``grads`` into ``params``
-    (through the framework's own backward: its loss scaling, its data-parallel hooks).
-
-    The chosen gradient of a verify step reaches ``.grad`` as if that path had run alone:
-    ``d/dp sum(p * g) = g``, and the value carries no gradient of its own."""
-    terms = [(p * g.to(p.dtype)).sum() for p, g in zip(params, grads) if g is not None and p.requires_grad]
-    if not terms:
-        return value.detach()
-    surrogate = sum(terms[1:], terms[0])
-    return value.detach() + (surrogate - surrogate.detach()).to(value.dtype)
-
-
 def check(framework: str, optimizations: Sequence[str], step: int, quantity: str, measured: float,
           limit: float, group: Any = None, detail: str = "") -> Verdict:
     """Judge one comparison of verify step ``step`` and act on it.
@@ -257,4 +153,58 @@ def check(framework: str, optimizations: Sequence[str], step: int, quantity: str
         api.switch_off(framework, option, reason)
     warnings.warn(f"grpo_patches verify: {framework}: {', '.join(names)} {reason}; this step uses the unpatched "
                   "result and the run goes on without them", GrpoPatchesWarning, stacklevel=2)
-    return Verdict(False, agreed, limit, metrics)
+    return Verdict(False, agreed, limit, metrics, reason)
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """What :func:`compare_gradients` concluded for one micro-batch.
+
+    :ivar loss: hand it to the framework's own backward: its value is the chosen computation's
+        loss and its backward accumulates exactly the chosen gradient.
+    :ivar verdict: the comparison's :class:`Verdict` (``ok=False``: the unpatched one is used).
+    :ivar noise_floor: the relative L2 between the unpatched gradient and its repeat (half
+        precision only), ``None`` without a repeat.
+    :ivar patched: whether the patched computation was kept.
+    """
+
+    loss: "torch.Tensor"
+    verdict: Verdict
+    noise_floor: float | None
+    patched: bool
+
+
+def compare_gradients(framework: str, optimizations: Sequence[str], step: int, params: Sequence["torch.Tensor"],
+                      patched: Callable[[], "torch.Tensor"], unpatched: Callable[[], "torch.Tensor"],
+                      repeat: Callable[[], "torch.Tensor"] | None = None, dtype: Any = None, group: Any = None,
+                      detail: str = "") -> GradientCheck:
+    """Compare one micro-batch's gradient, patched vs unpatched, and choose the one to accumulate.
+
+    Each callable computes a scalar loss on the same inputs and weights; they run in the order
+    ``patched``, ``unpatched``, ``repeat`` and each gradient is taken (:func:`grads_of`, ``.grad``
+    untouched) before the next runs, so one graph is alive at a time. The adapter makes them
+    start from the same random state and leave no other trace (:func:`rng_state`).
+
+    :param repeat: an equivalent unpatched computation, for the noise floor of a half-precision
+        ``dtype`` (:func:`tolerance`): e.g. the rows in another order, or the computation in
+        fp32 where the patched one changes the precision; not run in fp32.
+
+    The figure is ``grad_rel_diff`` (:func:`rel_l2`, patched against unpatched), judged by
+    :func:`check` (agreed over ``group``'s ranks; raises with ``verify_action="raise"``).
+
+    :returns: the loss to hand to the framework's backward (:func:`as_loss` of the chosen
+        gradient: the patched one within tolerance, else the unpatched one).
+    """
+    loss_p = patched()
+    grads_p = grads_of(loss_p, params)
+    loss_u = unpatched()
+    grads_u = grads_of(loss_u, params)
+    floor = None
+    if repeat is not None and _half_eps(dtype) is not None:
+        floor = rel_l2(grads_of(repeat(), params), grads_u)
+    measured = rel_l2(grads_p, grads_u)
+    verdict = check(framework, optimizations, step, "grad_rel_diff", measured,
+                    tolerance(framework, dtype, floor), group=group, detail=detail)
+    if verdict.ok:
+        return GradientCheck(as_loss(loss_p, params, grads_p), verdict, floor, True)
+    return GradientCheck(as_loss(loss_u, params, grads_u), verdict, floor, False)

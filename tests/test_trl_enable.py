@@ -57,10 +57,15 @@ def test_the_patch_table_narrows_the_supported_range_and_never_collides():
     supported = SpecifierSet(adapter.supported)
     for version in ("0.20.0", "0.24.0", "1.6.0", "1.7.0", "1.16.0"):
         assert Version(version) in supported
-        names = [t.name for t in adapter.targets(Version(version))]
+        targets = adapter.targets(Version(version))
+        names = [t.name for t in targets]
         assert "trl.trainer.grpo_trainer:GRPOTrainer.training_step" in names
         assert "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions" in names
-        assert len(names) == len(set(names)), "two records on one attribute for one version"
+        # records on one attribute stack (the later wraps the earlier): only for different options
+        keyed = [(t.name, t.option) for t in targets]
+        assert len(keyed) == len(set(keyed)), "two records on one attribute and option for one version"
+        stacked = [t.option for t in targets if t.attribute == "GRPOTrainer.compute_loss"]
+        assert stacked[-1] == "verify_every", "verify mode must wrap the tiled loss (its patched computation)"
     for record in adapter.patches:  # a record's own range only narrows the adapter's
         assert record.versions is None or record.versions.startswith((">=", "<"))
         assert callable(record.load_wrapper())  # every wrapper named in the table exists

@@ -129,6 +129,34 @@ def test_preserved_rng_leaves_the_next_draws_unchanged():
     assert draws() == expected
 
 
+def test_rng_state_is_put_back_by_set_rng_state():
+    import numpy
+
+    def draws():
+        return torch.rand(2).tolist(), random.random(), float(numpy.random.rand())
+
+    state = verify.rng_state()
+    first = draws()
+    verify.set_rng_state(state)
+    assert draws() == first
+    verify.set_rng_state(state)  # reusable: the patched and the unpatched computation start alike
+    assert draws() == first
+
+
+def test_match_rows_finds_rows_by_content():
+    ids = torch.tensor([[5, 6, 7], [1, 2, 3], [5, 6, 7], [8, 8, 8]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    picked = [3, 1, 0]  # a shuffled micro-batch of rows 3, 1 and one of the equal rows 0 / 2
+    found = verify.match_rows([ids[picked], mask[picked]], [ids, mask])
+    assert found == [[3], [1], [0, 2]]
+    other_mask = mask[picked].clone()
+    other_mask[0, 1] = 1  # same ids, another mask: another row, not found
+    assert verify.match_rows([ids[picked], other_mask], [ids, mask])[0] == []
+    assert verify.match_rows([ids[:, :2]], [ids]) == [[]] * 4  # another width: nothing matches
+    with pytest.raises(ValueError, match="1 tensors against 2"):
+        verify.match_rows([ids], [ids, mask])
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
@@ -245,3 +273,60 @@ def test_ranks_agree_on_the_largest_figure(tmp_path):
 
 def test_agree_without_distributed_returns_the_figures():
     assert verify.agree({"a": 1.0, "b": float("nan")}) == {"a": 1.0, "b": math.inf}
+
+
+# -- the gradient comparison of one micro-batch -------------------------------------------------
+
+
+def _losses(scale: float = 1.0):
+    """(params, loss closures): the unpatched loss, a patched one off by ``scale``, a repeat."""
+    model, x = _model(), torch.randn(6, 4)
+    params = list(model.parameters())
+
+    def loss(rows=None, factor=1.0):
+        return factor * model(x if rows is None else x[rows]).pow(2).sum() / 6
+
+    return params, (lambda: loss(factor=scale)), loss, (lambda: loss(rows=torch.arange(5, -1, -1)))
+
+
+def test_compare_gradients_keeps_the_patched_gradient_within_tolerance(fakefw):
+    grpo_patches.enable("fakefw", verify_every=1)
+    params, patched, unpatched, repeat = _losses()
+    reference = verify.grads_of(unpatched(), params)
+    result = verify.compare_gradients("fakefw", ["tiled_loss"], 0, params, patched, unpatched, repeat, torch.float32)
+    assert result.patched and result.verdict.ok and result.noise_floor is None  # fp32: no repeat
+    assert result.verdict.metrics == {"grpo_patches/verify/grad_rel_diff": 0.0}
+    assert all(p.grad is None for p in params)  # nothing accumulated until the framework's backward
+    result.loss.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, reference))
+
+
+def test_compare_gradients_raises_or_uses_the_unpatched_gradient(fakefw):
+    grpo_patches.enable("fakefw", verify_every=1)
+    params, patched, unpatched, repeat = _losses(scale=1.01)
+    with pytest.raises(ExactnessError, match="grad_rel_diff = 1.000e-02"):
+        verify.compare_gradients("fakefw", ["tiled_loss"], 7, params, patched, unpatched)
+    grpo_patches.enable("fakefw", verify_every=1, verify_action="disable")
+    reference = verify.grads_of(unpatched(), params)
+    with pytest.warns(GrpoPatchesWarning, match="tiled_loss switched off by verification at step 7"):
+        result = verify.compare_gradients("fakefw", ["tiled_loss"], 7, params, patched, unpatched)
+    assert not result.patched and result.loss.item() == pytest.approx(unpatched().item())
+    assert result.verdict.reason.startswith("switched off by verification at step 7: grad_rel_diff")
+    result.loss.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, reference))
+
+
+def test_compare_gradients_in_half_precision_measures_the_noise_floor(fakefw):
+    grpo_patches.enable("fakefw", verify_every=1)
+    params, patched, unpatched, repeat = _losses()
+    calls = []
+
+    def counted_repeat():
+        calls.append(1)
+        return repeat()
+
+    result = verify.compare_gradients("fakefw", ["tiled_loss"], 0, params, patched, unpatched, counted_repeat,
+                                      torch.bfloat16)
+    assert calls == [1] and result.noise_floor is not None and result.noise_floor < 1e-5  # fp32 math here
+    assert result.verdict.tolerance == pytest.approx(verify.tolerance("fakefw", torch.bfloat16, result.noise_floor))
+

@@ -17,6 +17,9 @@ table order (a later one wraps an earlier one):
   ``_compute_loss`` (``trl.experimental.gmpo``, TRL 1.7+) gets the same wrapper through its own
   record, applied when that module is imported.
 - ``compute_loss`` (``tiled_loss``; TRL 1.16, whose loss normalisers it reproduces): :mod:`.tiled`.
+- ``compute_loss`` (``verify_every``; after the tiled loss's record, so it wraps it): on a verify
+  step, each micro-step also runs TRL's unpatched computation and compares (:mod:`.verify`;
+  the old-logprob pass a verify step needs is kept by :mod:`.verify_rollout`).
 - ``__init__`` (always): decides per new trainer which optimizations run for it
   (:mod:`.on_init`), so an incompatible setting or subclass is an error when the trainer is
   built (option ``True``), or that optimization is off for it with a note (``"auto"``). TRL
@@ -55,6 +58,8 @@ PATCHES = (
                 option="zero_advantage_filter"),
     PatchTarget(GRPO_MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.tiled:compute_loss_wrapper", versions=">=1.16",
                 option="tiled_loss"),
+    PatchTarget(GRPO_MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.verify:compute_loss_wrapper",
+                option="verify_every"),
     PatchTarget(GRPO_MODULE, "GRPOTrainer.__init__", f"{_HERE}.on_init:check_on_init", caller_frame=True),
 )
 

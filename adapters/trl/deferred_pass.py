@@ -7,7 +7,10 @@ dropped rows' old log-probs are never read: their ratio is set to exactly 1 in t
 (:mod:`.policy_forward`). So the pass is deferred: TRL's call gets a placeholder, and once the
 method returns (advantages known) the pass runs on the rows the ``grpo_filter_zero_advantage``
 hook keeps for the whole rollout, with TRL's own arguments and the same weights (nothing
-trains in between). The placeholder's other rows stay 0 and are never read by the loss.
+trains in between). The placeholder's other rows stay NaN: :mod:`.placeholders` keeps them out
+of every loss (replaced where no gradient can come of them, an error where one would).
+On a rollout a verify step consumes, the pass also runs over every row and the kept rows are
+compared with it (:mod:`.verify_rollout`).
 
 Under data parallelism every rank keeps the same number of rows (the hook aligns them), so
 every rank runs the same number of forward chunks (ZeRO-3 / FSDP gather inside each).
@@ -18,17 +21,16 @@ multimodal rollouts on TRL < 1.15, or when the filter is off for the trainer.
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from grpo_patches import api
 
-from . import GRPO_MODULE, metrics, state
 from . import filter as zero_advantage_filter
+from . import logprob_pass, metrics, placeholders, state, verify_rollout
 from .loss_types import importance_sampling_on, loss_mask
-from .row_subsets import is_multimodal, rows_of
+from .row_subsets import is_multimodal
 from .version import multimodal_rows_supported
 
 
@@ -39,7 +41,7 @@ class Deferred:
     arguments: dict[str, Any] = field(default_factory=dict)
     placeholder: Any = None
 
-    def answer(self, trainer: Any, arguments: Mapping[str, Any], arity: int) -> tuple | None:
+    def answer(self, trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any], arity: int) -> tuple | None:
         """Asked by the routing wrapper (:mod:`.policy_forward`) for a log-prob call outside a
         loss call: the placeholder answer when this is the deferred old-logprob pass, else
         ``None`` (run it)."""
@@ -51,7 +53,7 @@ class Deferred:
             return None
         ids = arguments["input_ids"]
         self.arguments = dict(arguments)
-        self.placeholder = torch.zeros(ids.size(0), int(arguments["logits_to_keep"]), device=ids.device)
+        self.placeholder = placeholders.new(ids.size(0), int(arguments["logits_to_keep"]), ids.device)
         return (self.placeholder, None) if arity == 2 else (self.placeholder, None, None)
 
 
@@ -81,14 +83,6 @@ def deferring(trainer: Any) -> Iterator[Deferred | None]:
         own.deferred = None
 
 
-def _no_checkpointing(trainer: Any) -> Any:
-    """TRL's context that runs a no-grad forward without gradient checkpointing (if it has one)."""
-    disable: Callable[..., Any] | None = getattr(sys.modules.get(GRPO_MODULE), "disable_gradient_checkpointing", None)
-    if disable is None:
-        return nullcontext()
-    return disable(trainer.model, trainer.args.gradient_checkpointing_kwargs)
-
-
 def complete(trainer: Any, deferred: Deferred | None, output: dict) -> None:
     """After TRL's method returned: run the deferred pass on the kept rows, in place."""
     if deferred is None or deferred.placeholder is None:
@@ -103,9 +97,11 @@ def complete(trainer: Any, deferred: Deferred | None, output: dict) -> None:
         advantages=output["advantages"], mask=loss_mask(output), denominator="fixed", group=None
     )
     keep = torch.arange(rows, device=deferred.placeholder.device) if plan is None else plan.keep
-    method = trainer._get_per_token_logps_and_entropies
-    with torch.no_grad(), _no_checkpointing(trainer):
-        values = method(**rows_of(deferred.arguments, keep, method))[0]
+    values = logprob_pass.run(trainer, trainer._get_per_token_logps_and_entropies, deferred.arguments, keep)[0]
     old = deferred.placeholder.to(values.dtype).index_copy(0, keep.to(values.device), values)
-    output["old_per_token_logps"] = old
-    metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()))
+    used = old
+    if verify_rollout.wanted(trainer):  # a verify step consumes this rollout: the pass over every row too
+        used = verify_rollout.check_deferred(trainer, deferred.arguments, output, old, keep)
+    output["old_per_token_logps"] = used
+    if used is old:  # else verification switched the filter off: the rollout has TRL's full pass
+        metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()))

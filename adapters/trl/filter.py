@@ -34,7 +34,7 @@ from grpo_patches.errors import OptionError
 from grpo_patches.refuse_or_note import refuse_or_note
 from grpo_patches.zero_advantage import filter_problems
 
-from . import metrics, state
+from . import metrics, placeholders, state
 from .loss_types import UnknownObjective, loss_mask, objective_of
 from .policy_forward import loss_call
 from .row_subsets import is_multimodal
@@ -81,12 +81,16 @@ def _note_running(trainer: Any) -> None:
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer._compute_loss(model, inputs)`` (and GMPO's)."""
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-    if instance is None or not instance.model.training or not decide(instance):
+    if instance is None or not instance.model.training or state.of(instance).unpatched:
         return wrapped(*args, **kwargs)
+    options = api.active_options("trl")
+    if options is None or options.zero_advantage_filter is False or not decide(instance):
+        # off (verification may switch it off mid-run): every row is read, no placeholder may be
+        return placeholders.call_loss(wrapped, args, kwargs, placeholders.guard(inputs))
     if is_multimodal(inputs) and not multimodal_rows_supported():
         api.note("trl", "zero_advantage_filter (multimodal)", "multimodal micro-batches keep every row: "
                  "cutting their per-image inputs by row needs TRL >= 1.15", owner=instance)
-        return wrapped(*args, **kwargs)
+        return placeholders.call_loss(wrapped, args, kwargs, placeholders.guard(inputs))
 
     from grpo_patches.plugins import hook
 
@@ -95,8 +99,11 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
         advantages=inputs["advantages"], mask=mask, denominator=state.of(instance).objective.denominator, group=None
     )
     if plan is None:
-        return wrapped(*args, **kwargs)
-    with_metrics = api.active_options("trl").dropped_rows_metrics
+        return placeholders.call_loss(wrapped, args, kwargs, placeholders.guard(inputs))
+    # the deferred pass's placeholders: never read (on a verify step a read one is left NaN for
+    # the gradient comparison to catch, and the patched result is then not used)
+    inputs = placeholders.guard(inputs, read=plan.keep, strict=not state.of(instance).verifying)
+    with_metrics = options.dropped_rows_metrics
     distributed = getattr(instance.accelerator, "num_processes", 1) > 1
     bucket = metrics.bucket(instance)
     before = metrics.snapshot(bucket) if bucket is not None else {}
@@ -104,7 +111,7 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
         call.keep, call.dropped_forward = plan.keep, with_metrics
         call.always_split = distributed and with_metrics
         call.fill_logps = inputs.get("old_per_token_logps")
-        loss = wrapped(*args, **kwargs)
+        loss = placeholders.call_loss(wrapped, args, kwargs, inputs)
     if not call.used:  # a policy forward we did not answer (moved internals): every row ran
         metrics.report(instance, rows_dropped=0, tokens_dropped=0)
         return loss

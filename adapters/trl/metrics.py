@@ -180,3 +180,19 @@ def relabel(trainer: Any, bucket: dict[str, list], before: Mapping[str, int],
         else:
             api.note("trl", f"metric {name}", "not logged: it needs the dropped rows' forward; "
                      "grpo_patches.enable('trl', dropped_rows_metrics=True) logs it", owner=trainer)
+
+
+# ---------------------------------------------------------------------------------------
+# verify mode's figures
+
+
+def record_verify(trainer: Any, figures: Mapping[str, float]) -> None:
+    """Verify mode's figures (``grpo_patches/verify/<quantity>``) into TRL's training metrics:
+    the largest of the logging step (a difference is judged by its worst case, not its mean).
+    They appear only in the log rows of steps that were verified."""
+    lists = bucket(trainer, "train")
+    if lists is None:
+        return
+    for name, value in figures.items():
+        earlier = lists.get(name)
+        lists[name] = [float(value) if not earlier else max(earlier[0], float(value))]

@@ -27,6 +27,10 @@ It applies the answer without copying TRL's method: for the duration of the call
 give the hook's answer (TRL reads that field nowhere else in the method or below it).
 The result is checked (``old_per_token_logps`` present iff decided), so a moved condition is
 an error, never a silent stale rollout.
+
+In verify mode, a rollout whose pass the decision skipped and that a verify step consumes gets
+the pass anyway, TRL's own call made to run and its values taken out of the rollout again
+(:mod:`.verify_rollout`): each micro-step compares them with what the loss used.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
 from grpo_patches.plugins import hook
 from grpo_patches.recompute import cap_consumptions, explain, window_steps_left
 
-from . import deferred_pass, metrics, overrides, state
+from . import deferred_pass, metrics, overrides, state, verify_rollout
 from .accumulation_window import steps_in_epoch, window_index, window_length
 from .loss_types import importance_sampling_on
 from .reference import observe_reference_pass
@@ -140,12 +144,22 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
         )
         compute = False
         decision = replace(decision, compute=False)
+    force = verify_rollout.force_pass(instance, decision.upstream, compute)  # for verification only
     original_args = instance.__dict__["args"]
-    instance.args = _ArgsView(original_args, every + 1 if compute else every)
+    instance.args = _ArgsView(original_args, every + 1 if compute or force else every)
     try:
-        output = wrapped(*args, **kwargs)
+        with verify_rollout.capturing(instance, force) as capture:
+            output = wrapped(*args, **kwargs)
     finally:
         instance.args = original_args
+    if force:
+        if capture.output is None or "old_per_token_logps" not in output:
+            raise UnsupportedFrameworkError(
+                "grpo_patches verify: GRPOTrainer._generate_and_score_completions did not run its old-logprob "
+                "pass when its modulo rule said so, so the skipped pass cannot be verified; pass verify_every=None"
+            )
+        output.pop("old_per_token_logps")  # compared with what the loss uses, never used
+        verify_rollout.store(instance, output, capture.output[0], skipped=True, floor=capture.noise_floor)
     if ("old_per_token_logps" in output) != compute:
         raise UnsupportedFrameworkError(
             "grpo_patches: GRPOTrainer._generate_and_score_completions no longer follows the "
@@ -182,6 +196,7 @@ def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: di
     options = api.active_options("trl")
     if options is None or not instance.model.training:
         return wrapped(*args, **kwargs)
+    state.of(instance).verify_rollout = None  # a new rollout: the last one's stored pass is spent
     with deferred_pass.deferring(instance) as deferred:
         if options.recompute and decide_for_trainer(instance):
             output = exact_recompute(wrapped, instance, args, kwargs)

@@ -9,12 +9,14 @@ trainer and ``status()`` says why, per trainer class, from the start. A trainer 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from grpo_patches import api
+from grpo_patches.errors import GrpoPatchesWarning
 
 from . import filter as zero_advantage_filter
-from . import old_logprobs, tiled
+from . import old_logprobs, overrides, tiled
 
 
 def check_on_init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -29,4 +31,10 @@ def check_on_init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         zero_advantage_filter.decide(instance)  # raises for True, notes "off: why" for "auto"
     if options.tiled_loss:  # select() refused it outside the tiled record's range
         tiled.decide(instance)
+    if options.verify_every is not None:
+        why = overrides.why_off(instance, "verify_every")
+        if why is not None:  # never say "verified" for a class whose loss bypasses the wrapper
+            api.note("trl", "verify", f"off for this class: {why}", owner=instance)
+            warnings.warn(f"grpo_patches verify: {type(instance).__name__} is not verified: {why}",
+                          GrpoPatchesWarning, stacklevel=2)
     return result

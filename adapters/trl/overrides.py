@@ -22,6 +22,8 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "recompute": ("training_step", "_prepare_inputs", "_generate_and_score_completions"),
     # the loss it reproduces and the policy forward it answers
     "tiled_loss": ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies"),
+    # verify mode's record: a micro-step's loss reaches it only through TRL's compute_loss
+    "verify_every": ("compute_loss",),
 }
 
 

@@ -17,8 +17,10 @@ trainer for the duration of that call; the wrapper here answers that one forward
   gradient-free) loss is replaced by the tiled one.
 
 Any other call (generation-time passes, no active :class:`LossCall`) goes straight through,
-except the old-logprob pass the filter defers to the kept rows: the
-:class:`~.deferred_pass.Deferred` armed on the trainer's state answers it with a placeholder.
+except the old-logprob pass the filter defers to the kept rows (the
+:class:`~.deferred_pass.Deferred` armed on the trainer's state answers it with a placeholder)
+and one that verify mode makes TRL run (:class:`~.verify_rollout.Capture`). Verify mode's
+unpatched computation goes straight through whatever is armed.
 Row subsets are built by :mod:`.row_subsets`.
 """
 
@@ -51,6 +53,8 @@ class LossCall:
     :ivar tiled: computes the tiled loss of a row subset (``None``: TRL's own forward).
     :ivar tiled_loss: set by the routing wrapper: the tiled loss of the kept rows.
     :ivar used: set by the routing wrapper once it answered the forward.
+    :ivar logps: set by the routing wrapper: the ``[B, T]`` log-probs TRL received (verify mode
+        compares a skipped old-logprob pass with them: the loss uses them detached instead).
     :ivar entropies: set by the routing wrapper: the ``[B, T]`` entropies TRL received.
     :ivar forward_rows: set by the routing wrapper: rows that went through a forward.
     :ivar row_inputs: each row's multimodal model inputs (recorded once per call).
@@ -63,6 +67,7 @@ class LossCall:
     tiled: TiledRows | None = None
     tiled_loss: Any = None
     used: bool = False
+    logps: Any = None
     entropies: Any = None
     forward_rows: int = 0
     row_inputs: Any = None
@@ -119,12 +124,15 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
     def per_token_logps_and_entropies(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         import torch
 
-        call = active_call(instance) if instance is not None else None
-        deferred = state.of(instance).deferred if call is None and instance is not None else None
-        if deferred is not None:
-            answer = deferred.answer(instance, _bind(wrapped, args, kwargs), arity)
-            if answer is not None:
-                return answer  # the old-logprob pass, run for the kept rows once advantages exist
+        own = state.of(instance) if instance is not None else None
+        if own is None or own.unpatched:  # verify mode's unpatched computation: TRL's own forward
+            return wrapped(*args, **kwargs)
+        call = own.loss_call
+        for interceptor in (own.deferred, own.verify_capture) if call is None else ():
+            if interceptor is not None:
+                answer = interceptor.answer(instance, wrapped, _bind(wrapped, args, kwargs), arity)
+                if answer is not None:  # the old-logprob pass: deferred, or run for verification only
+                    return answer
         if call is None or call.used:
             return wrapped(*args, **kwargs)
         call.used = True  # only the policy forward of this _compute_loss call is routed
@@ -147,7 +155,7 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
         else:
             if drop.numel() == 0 and not call.always_split:
                 out = wrapped(**bound)
-                call.entropies, call.forward_rows = out[1], batch
+                call.logps, call.entropies, call.forward_rows = out[0], out[1], batch
                 return out
             kept_out = tuple(wrapped(**rows_of(bound, keep, row_inputs=call.row_inputs)))
         call.forward_rows = int(keep.numel())
@@ -162,7 +170,7 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
                 dropped_out = (None, None)
         logps = _merge(kept_out[0], dropped_out[0], keep, drop, batch, fill=call.fill_logps)
         entropies = _merge(kept_out[1], dropped_out[1], keep, drop, batch)
-        call.entropies = entropies
+        call.logps, call.entropies = logps, entropies
         if arity == 2:
             return logps, entropies
         aux = kept_out[2] if len(kept_out) > 2 else None

@@ -6,7 +6,8 @@ and logs no KL metric then. So nothing is patched for it: this observer (option
 ``grpo_skip_reference_pass`` hook about each rollout and checks that TRL did what it decided
 (a decision TRL cannot follow is noted in status, never forced). A pass TRL skips on its own
 is no saving of ours: it is noted per trainer class in ``status()``, never counted in the
-savings.
+savings. For the same reason verify mode has nothing to check here: with ``beta == 0`` the
+unpatched TRL runs no reference pass either.
 """
 
 from __future__ import annotations

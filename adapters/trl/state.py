@@ -23,6 +23,15 @@ class TrainerState:
     :ivar loss_call: what the loss wrappers ask of the policy forward inside one
         ``_compute_loss`` call (:mod:`.policy_forward`).
     :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
+    :ivar unpatched: set while verify mode runs the unpatched computation of a micro-step
+        (:mod:`.verify`): the loss wrappers and the policy-forward routing pass straight through.
+    :ivar verifying: set while verify mode runs the patched computation of a micro-step: a
+        placeholder the loss would read is left NaN (the gradient comparison catches it, and
+        the patched result is then never used) instead of raising.
+    :ivar verify_capture: armed while a generation call runs the old-logprob pass only for
+        verification (:class:`.verify_rollout.Capture`).
+    :ivar verify_rollout: the latest rollout's old-logprob pass over every row, kept when a
+        verify step consumes it (:class:`.verify_rollout.StoredRollout`).
     """
 
     window: Any = None
@@ -34,6 +43,10 @@ class TrainerState:
     recompute_on: bool | None = None
     loss_call: Any = None
     totals: dict[tuple[str, str], float] = field(default_factory=dict)
+    unpatched: bool = False
+    verifying: bool = False
+    verify_capture: Any = None
+    verify_rollout: Any = None
 
 
 def of(trainer: Any) -> TrainerState:

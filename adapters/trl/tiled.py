@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 from grpo_patches import api
 from grpo_patches.refuse_or_note import refuse_or_note
 
-from . import metrics, overrides, state
+from . import metrics, overrides, placeholders, state
 from .lm_head_loss_options import logit_transform, loss_options
 from .loss_types import LOSS_TYPES, loss_mask
 from .policy_forward import loss_call
@@ -165,11 +165,16 @@ class LastHidden:
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer.compute_loss(model, inputs, ...)``."""
     inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-    if instance is None or not instance.model.training or not decide(instance):
+    if instance is None or not instance.model.training or state.of(instance).unpatched:
         return wrapped(*args, **kwargs)  # evaluation keeps TRL's loss (no backward there)
+    options = api.active_options("trl")
+    if options is None or not options.tiled_loss or not decide(instance):  # verification may switch it off
+        return wrapped(*args, **kwargs)
+    # the deferred pass's placeholders of zero-advantage rows (the filter inside judges the others)
+    inputs = placeholders.guard(inputs, strict=False)
     with loss_call(instance) as call:
         call.tiled = make_tiled_rows(inputs)
-        loss = wrapped(*args, **kwargs)  # TRL's value; its policy terms carry no gradient
+        loss = placeholders.call_loss(wrapped, args, kwargs, inputs)  # TRL's value; its policy terms carry no gradient
         if call.tiled_loss is None:
             raise RuntimeError(
                 "grpo_patches: tiled_loss found no policy forward in GRPOTrainer._compute_loss "

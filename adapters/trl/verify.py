@@ -1,0 +1,187 @@
+"""Verify mode for TRL's GRPOTrainer and GMPOTrainer: each micro-step of a verify step checked
+against TRL's unpatched computation (``verify_every``, :mod:`grpo_patches.verify`).
+
+The record on ``GRPOTrainer.compute_loss`` (option ``verify_every``, the last record on that
+method: it wraps the tiled loss's) runs, on the micro-steps of the optimizer steps
+:func:`grpo_patches.verify.due` picks (``trainer.state.global_step``, 0-based, as the HF
+Trainer counts them), :class:`MicroStep`:
+
+1. the patched computation, as without verification (its :class:`~.policy_forward.LossCall`
+   tells what the filter and the tiled loss did and which log-probs the loss used);
+2. a skipped old-logprob pass (the recompute decision): TRL's pass, run when the rollout was
+   generated (:mod:`.verify_rollout`), against the log-probs the loss used instead,
+   ``grpo_patches/verify/old_logprob_max_abs_diff``;
+3. zero-advantage filter / tiled loss, when they ran: the micro-step's gradient both ways
+   (``.grad`` untouched), ``grpo_patches/verify/grad_rel_diff`` (relative L2), through
+   :func:`grpo_patches.verify.compare_gradients`. The unpatched computation is TRL's own
+   ``compute_loss`` with every wrapper passing through (``state.unpatched``), on the inputs
+   unpatched TRL has (its old-logprob pass where the patches skipped or deferred it). In bf16 /
+   fp16 the unpatched computation is repeated with the rows in reverse order: the noise floor
+   (``grpo_patches/verify/grad_noise_floor``) the tolerance is 10 times of.
+
+Every rank runs the same computations and :func:`grpo_patches.verify.check` agrees on each
+figure (one all-reduce), so all ranks reach the same verdict. The micro-step returns the chosen
+loss (:func:`grpo_patches.verify.as_loss`: TRL's backward, loss scaling and DDP hooks
+accumulate exactly the chosen gradient); the random state, TRL's metrics and attributes and
+the adapter's counters are those the chosen computation left (:mod:`.verify_trace`), plus the
+figures (:func:`.metrics.record_verify`, the worst of the logging step). A placeholder of the
+deferred pass that the patched loss would read (a filter plugin whose decision at generation
+and in the loss differ) is left NaN on a verify step instead of raising
+:class:`~grpo_patches.errors.PlaceholderError`: the gradient difference is then infinite, and
+the patched result is never used.
+
+On a mismatch, ``verify_action="raise"`` stops the run before the step's update
+(:class:`grpo_patches.ExactnessError`); ``"disable"`` switches the optimizations off for the
+rest of the run, this micro-step uses the unpatched result and the buffered rollout gets TRL's
+full pass (:func:`.verify_rollout.unpatch_buffer`), so the run goes on as unpatched.
+
+Not verified: TRL's reference pass at ``beta=0`` (TRL skips it itself: :mod:`.reference`), a
+pass the recompute decision adds where TRL's rule goes stale (the fix, not a saving), and a
+class that overrides ``compute_loss`` (its loss never reaches the wrapper: noted in ``status()``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, Mapping
+
+from grpo_patches import verify
+
+from . import logprob_pass, metrics, placeholders, state, verify_rollout
+from .policy_forward import loss_call
+from .row_subsets import is_multimodal
+from .verify_trace import Trace
+
+#: The half-precision noise floor of the gradient comparison, logged next to it.
+NOISE_METRIC = verify.METRIC_PREFIX + "grad_noise_floor"
+
+
+def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``GRPOTrainer.compute_loss(model, inputs, ...)`` (option ``verify_every``)."""
+    if instance is None or not instance.model.training or state.of(instance).unpatched:
+        return wrapped(*args, **kwargs)
+    step = int(instance.state.global_step)
+    if not verify.due("trl", step):
+        return wrapped(*args, **kwargs)
+    # reentrant checkpointing cannot give gradients to torch.autograd.grad: off for this
+    # micro-step (the same gradients, more activation memory)
+    with logprob_pass.no_checkpointing(instance) if reentrant_checkpointing(instance) else nullcontext():
+        return MicroStep(wrapped, instance, args, kwargs, step).run()
+
+
+def reentrant_checkpointing(trainer: Any) -> bool:
+    """Whether the model checkpoints activations with torch's reentrant variant (TRL's
+    ``gradient_checkpointing_kwargs``; given without ``use_reentrant``, torch's default is it)."""
+    args = trainer.args
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
+    return bool(getattr(args, "gradient_checkpointing", False)) and kwargs is not None and \
+        kwargs.get("use_reentrant", True) is not False
+
+
+def reversed_rows(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A text micro-batch with its rows in reverse order (scalars such as
+    ``num_items_in_batch`` as they are): the same loss, summed in another order."""
+    import torch
+
+    rows = int(inputs["advantages"].size(0))
+    order = torch.arange(rows - 1, -1, -1)
+    return {name: value.index_select(0, order.to(value.device))
+            if isinstance(value, torch.Tensor) and value.dim() and value.size(0) == rows else value
+            for name, value in inputs.items()}
+
+
+class MicroStep:
+    """One micro-step of a verify step (module docstring)."""
+
+    def __init__(self, wrapped: Callable[..., Any], trainer: Any, args: tuple, kwargs: dict, step: int) -> None:
+        self.wrapped, self.trainer, self.args, self.kwargs, self.step = wrapped, trainer, args, kwargs, step
+        self.model = kwargs["model"] if "model" in kwargs else args[0]
+        self.inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
+        self.match = verify_rollout.find(trainer, self.inputs)
+        self.upstream = verify_rollout.upstream_inputs(self.inputs, self.match)
+        self.trace = Trace(trainer)
+        self.start = verify.rng_state()
+        self.figures: dict[str, float] = {}
+        self.unpatched_end: tuple | None = None
+
+    def patched(self) -> tuple[Any, Any, tuple]:
+        """The micro-step as without verification: (loss, its LossCall, (trace, random state)).
+        A placeholder it would read stays NaN (``state.verifying``): the comparison catches it."""
+        own = state.of(self.trainer)
+        own.verifying = True
+        try:
+            with loss_call(self.trainer) as call:
+                loss = self.wrapped(*self.args, **self.kwargs)
+        finally:
+            own.verifying = False
+        return loss, call, (self.trace.take(), verify.rng_state())
+
+    def unpatched(self, inputs: Mapping[str, Any] | None = None) -> tuple[Any, tuple]:
+        """TRL's own computation on the inputs unpatched TRL has, from the same random state."""
+        verify.set_rng_state(self.start)
+        own = state.of(self.trainer)
+        own.unpatched = True
+        try:
+            loss = placeholders.call_loss(self.wrapped, self.args, self.kwargs, inputs or self.upstream)
+        finally:
+            own.unpatched = False
+        return loss, (self.trace.take(), verify.rng_state())
+
+    def run(self) -> Any:
+        loss, call, end = self.patched()
+        if self.match is not None and self.match.rollout.skipped:
+            rows = call.keep if call.keep is not None else _all_rows(self.inputs)
+            verdict = verify_rollout.check_skipped(self.trainer, self.step, self.match, self.inputs, call.logps, rows)
+            self.figures.update(verdict.metrics)
+            if not verdict.ok:  # "disable": recompute is off; this micro-step and the rollout as unpatched
+                verify_rollout.note_switched_off(self.trainer, verdict, ["recompute"])
+                verify_rollout.unpatch_buffer(self.trainer)
+                loss, end = self.unpatched()
+                return self.finish(loss, end)
+        names = [name for name, ran in (("zero_advantage_filter", call.keep is not None),
+                                        ("tiled_loss", call.tiled is not None)) if ran]
+        if not names:
+            return self.finish(loss, end)
+        return self.compare_gradients(names, loss, end)
+
+    def compare_gradients(self, names: list[str], patched_loss: Any, patched_end: tuple) -> Any:
+        ends: dict[str, tuple] = {}
+
+        def unpatched() -> Any:
+            loss, ends["unpatched"] = self.unpatched()
+            return loss
+
+        def repeat() -> Any:
+            return self.unpatched(reversed_rows(self.upstream))[0]
+
+        result = verify.compare_gradients(
+            "trl", names, self.step, [p for p in self.model.parameters() if p.requires_grad],
+            patched=lambda: patched_loss, unpatched=unpatched,
+            repeat=None if is_multimodal(self.inputs) else repeat,
+            dtype=verify_rollout.compute_dtype(self.trainer),
+            detail="the micro-step's gradient against TRL's unpatched loss" + (
+                "" if bool(patched_loss.detach().isfinite().all()) else
+                "; the patched loss is not finite: a NaN placeholder of the deferred old-logprob pass reached it"),
+        )
+        self.figures.update(result.verdict.metrics)
+        if result.noise_floor is not None:
+            self.figures[NOISE_METRIC] = result.noise_floor
+        if result.patched:
+            return self.finish(result.loss, patched_end)
+        verify_rollout.note_switched_off(self.trainer, result.verdict, names)
+        verify_rollout.unpatch_buffer(self.trainer)  # the filter's placeholders give way to TRL's pass
+        return self.finish(result.loss, ends["unpatched"])
+
+    def finish(self, loss: Any, end: tuple) -> Any:
+        """Leave the trainer as the chosen computation left it, plus the figures."""
+        snapshot, rng = end
+        self.trace.apply(snapshot)
+        verify.set_rng_state(rng)
+        metrics.record_verify(self.trainer, self.figures)
+        return loss
+
+
+def _all_rows(inputs: Mapping[str, Any]) -> Any:
+    import torch
+
+    return torch.arange(int(inputs["advantages"].size(0)))

@@ -1,0 +1,95 @@
+"""Verify mode under data parallelism: TRL's GRPOTrainer on 2 gloo processes (accelerate's
+MULTI_CPU), each rank with its own prompts, so its own zero-advantage rows and figures.
+
+Every rank verifies every micro-step and :func:`grpo_patches.verify.check` agrees on each figure
+(one all-reduce, the maximum): the ranks log the same figures and reach the same verdict. A
+plugin that drops a row with a non-zero advantage on rank 1 only makes both ranks raise on the
+first verify step (rank 0's own difference is ~1e-7): neither hangs in a collective nor trains on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
+    """Both scenarios in one process pair (TRL is imported once): correct code, then the fault."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from grpo_patches import tiny_model, verify_log
+    from grpo_patches.errors import ExactnessError
+    from tests.test_trl_verify import DropsANonZeroRow
+    from tests.trl_harness import train
+
+    outcomes: dict = {}
+    for scenario in ("correct", "fault"):
+        plugins = [DropsANonZeroRow()] if scenario == "fault" and rank == 1 else []
+        outcome = outcomes[scenario] = {}
+        verify_log.reset("trl")
+        try:
+            result = train(True, {"verify_every": 1}, steps=1, plugins=plugins, model_path=model_path,
+                           reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")
+            outcome["rows"] = [{k: v for k, v in row.items() if k.startswith("grpo_patches/verify/")}
+                               for row in result.log_history if "loss" in row]
+            outcome["verify"] = result.status["verify"]
+            outcome["rows_dropped"] = result.savings.get("rows_dropped", 0)
+        except ExactnessError as err:
+            outcome["error"] = (err.step, err.quantity, err.optimizations, err.measured)
+    torch.save(outcomes, os.path.join(out_dir, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    from grpo_patches import tiny_model
+
+    tmp = tmp_path_factory.mktemp("verify_ddp")
+    model = tiny_model.tiny_model_path(tmp / "model")  # built once, before the ranks start
+    context = mp.spawn(_worker, args=(_free_port(), str(tmp), model), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks did not finish (a rank waiting in a collective?)")
+    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+def test_two_ranks_verify_and_agree(ranks):
+    correct = [rank["correct"] for rank in ranks]
+    assert all("error" not in rank for rank in correct)
+    assert correct[0]["rows"] == correct[1]["rows"] and len(correct[0]["rows"]) == 1
+    (figures,) = correct[0]["rows"]
+    assert figures["grpo_patches/verify/grad_rel_diff"] <= 1e-5
+    assert correct[0]["verify"] == correct[1]["verify"] and correct[0]["verify"]["failures"] == []
+    assert correct[0]["rows_dropped"] > 0 and correct[1]["rows_dropped"] > 0
+
+
+def test_a_fault_on_one_rank_stops_both(ranks):
+    errors = [rank["fault"].get("error") for rank in ranks]
+    assert errors[0] is not None and errors[0] == errors[1]  # the same agreed figure on both ranks
+    step, quantity, optimizations, measured = errors[0]
+    assert (step, quantity) == (0, "grad_rel_diff") and "zero_advantage_filter" in optimizations and measured > 1e-3
