@@ -115,7 +115,7 @@ def enable(framework: str, **options: Any) -> None:
 
 def _enable_one(adapter: Adapter, opts: Options, via_all: bool) -> None:
     version = _check_supported(adapter)
-    targets, notes = adapter.select(version, opts)
+    targets, notes = adapter.select(version, opts, strict=not via_all)
     with _lock:
         current = _enabled.get(adapter.name)
         if current is not None:

@@ -97,12 +97,14 @@ class Adapter:
                 found[option] = f"{option} needs {self.name} {ranges}; {version} is installed"
         return found
 
-    def select(self, version: Version, options: Options) -> tuple[list[PatchTarget], dict[str, str]]:
+    def select(self, version: Version, options: Options, strict: bool = True) -> tuple[list[PatchTarget], dict[str, str]]:
         """The records to apply for ``options``, and notes on options that cannot run here.
 
         A declared :attr:`not_applicable` option is noted whatever its value. An option that
         is on but has records only for other versions is an error when set to ``True``, and a
-        note (the optimization stays off) when it is on by default or ``"auto"``.
+        note (the optimization stays off) when it is on by default or ``"auto"``. ``verify_every``
+        set for an adapter without verify records is an error (``strict``: the framework was named)
+        or a note (``enable("all", ...)``): never a run that looks verified and is not.
 
         :raises UnsupportedFrameworkError: naming the option, version and ranges.
         """
@@ -118,6 +120,14 @@ class Adapter:
                 )
             elif value not in (False, None):
                 notes[option] = f"off: {text}"
+        if options.verify_every is not None and not any(t.option == "verify_every" for t in self.targets(version)):
+            text = f"verify mode is not available for {self.name} {version} yet: no check would run"
+            if strict:
+                raise UnsupportedFrameworkError(
+                    f"{self.name} {version}: verify_every={options.verify_every} asks for verify mode, which is not "
+                    f"available for {self.name} yet (TRL has it). Pass verify_every=None (the default) for {self.name}"
+                )
+            notes["verify_every"] = f"off: {text}"
         chosen = [t for t in self.targets(version)
                   if t.option is None or getattr(options, t.option) not in (False, None)]
         return chosen, notes

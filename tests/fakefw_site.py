@@ -71,6 +71,7 @@ PATCHES = (
     PatchTarget(T, "SubTrainer.inherited", _tag),
     PatchTarget(T, "helper", _tag, option="tiled_loss"),
     PatchTarget(W, "work", "fakefw_adapter:_tag"),
+    PatchTarget(W, "work", "fakefw_adapter:_tag", option="verify_every"),  # fakefw "has" verify mode
 ) + ((PatchTarget(T, MISSING_ATTRIBUTE, _tag),) if MISSING_ATTRIBUTE else ())  # a target that moved upstream
 
 ADAPTER = Adapter(name="fakefw", distribution="fakefw", supported=">=1.0,<2", patches=PATCHES)

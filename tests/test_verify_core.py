@@ -75,6 +75,27 @@ def test_due_verifies_the_first_step_and_every_nth_after_it(fakefw):
     assert all(verify.due("fakefw", s) for s in range(4))
 
 
+def test_verify_every_for_an_adapter_without_verify_mode_is_an_error_never_a_silent_no_op(fakefw, monkeypatch):
+    from grpo_patches import registry
+    from grpo_patches.errors import UnsupportedFrameworkError
+    from packaging.version import Version
+
+    adapter = registry.get("fakefw")
+    bare = type(adapter)(name="fakefw", distribution="fakefw", supported=adapter.supported,
+                         patches=[t for t in adapter.patches if t.option != "verify_every"])
+    with pytest.raises(UnsupportedFrameworkError, match="verify_every=2 asks for verify mode.*verify_every=None"):
+        bare.select(Version("1.0"), Options(verify_every=2))
+    targets, notes = bare.select(Version("1.0"), Options(verify_every=2), strict=False)  # enable("all", ...)
+    assert notes["verify_every"].startswith("off: verify mode is not available for fakefw")
+    assert bare.select(Version("1.0"), Options())[1] == {}  # off by default: nothing said
+    assert "verify_every" not in adapter.select(Version("1.0"), Options(verify_every=2))[1]  # it has verify records
+    for name in ("verl", "nemo_rl"):  # until their verify mode exists
+        real = registry.get(name)
+        version = Version(real.supported.split(",")[0].lstrip(">="))
+        with pytest.raises(UnsupportedFrameworkError, match=f"not available for {name}"):
+            real.select(version, Options(verify_every=1))
+
+
 def test_tolerance_fp32_fixed_half_from_the_noise_floor_user_value_wins(fakefw):
     grpo_patches.enable("fakefw", verify_every=1)
     assert verify.tolerance("fakefw", torch.float32) == verify.FP32_TOLERANCE == 1e-5
