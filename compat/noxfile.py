@@ -71,8 +71,8 @@ def _layer_on(session: nox.Session, ready: str) -> None:
     sites = sorted(Path(ready).glob("lib/python3*/site-packages"))
     if not sites:
         session.error(f"{ready}: no lib/python3*/site-packages (is it a virtual environment?)")
-    purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                          silent=True).strip().splitlines()[-1]
+    purelib = session.run_install("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                                  silent=True).strip().splitlines()[-1]  # run_install: also under --install-only
     (Path(purelib) / READY_PTH).write_text(f"import site; site.addsitedir({str(sites[0])!r})\n")
 
 

@@ -54,7 +54,7 @@ class Policy:
                  init_optimizer=True, weights_path=None, optimizer_path=None, init_reference_model=True,
                  processor=None):
         self.cfg = config
-        worker_class = DTensorPolicyWorkerV2.__ray_metadata__.modified_class.__ray_actor_class__
+        worker_class = DTensorPolicyWorkerV2.__ray_metadata__.modified_class  # the class a Ray actor runs
         self.worker = worker_class(config["model_factory"](), config, lr=config.get("lr", 0.1))
         self.worker.reference = copy.deepcopy(self.worker.model) if init_reference_model else None
         self.calls = {"get_logprobs": 0, "get_reference_policy_logprobs": 0, "train": 0}
