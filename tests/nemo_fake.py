@@ -222,6 +222,7 @@ def grpo_train(policy, policy_generation, dataloader, val_dataloader, tokenizer,
             metrics.update(seq_metrics)
         logger.log_batched_dict_as_jsonl({{"prev_logprobs": train_data["prev_logprobs"].tolist()}},
                                          f"train_data_step{{step}}.jsonl")
+        print(f"Loss: {{metrics['loss']:.4f}} Generation KL Error: {{metrics['gen_kl_error']:.4f}}")  # as grpo_train
         if metrics["token_mult_prob_error"] > 1.05:
             logger.log_plot_token_mult_prob_error({{"prev_logprobs": train_data["prev_logprobs"]}}, step,
                                                   name="train/token_mult_prob_error_plot_sample")

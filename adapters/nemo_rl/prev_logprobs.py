@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from grpo_patches import api
+from grpo_patches.patching import overriding_class
 from grpo_patches.plugins import hook
 
 from .calls import arguments, zero_logprobs
@@ -56,8 +57,24 @@ def _needed_elsewhere(loop: LoopState) -> list[str]:
 
 
 def _inexact(loop: LoopState) -> list[str]:
+    """Why the loss would not reproduce the pass from the detached current log-probs, or the zero
+    placeholder could reach a loss that reads it (the skip is exact only through the patched
+    ``Policy.train``, which puts ``ClippedPGLossFn`` on its on-policy path for the call)."""
+    import sys
+
     loss = loop.loss_fn
-    return [f"loss_fn.{name}" for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
+    problems = [f"loss_fn.{name} changes the loss on NeMo-RL's on-policy path"
+                for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
+    if type(loss).__name__ != "ClippedPGLossFn":
+        problems.append(f"the loss is {type(loss).__name__}, not ClippedPGLossFn (no known on-policy path)")
+    policy_module = sys.modules.get("nemo_rl.models.policy.lm_policy")
+    policy_class = getattr(policy_module, "Policy", None)
+    if isinstance(policy_class, type) and isinstance(loop.policy, policy_class):
+        owner = overriding_class(type(loop.policy), policy_class, "train")
+        if owner is not None:
+            problems.append(f"{owner.__name__}.train overrides Policy.train (the call that puts the loss on its "
+                            "on-policy path)")
+    return problems
 
 
 def train_batch_size(policy: Any, gbs: int | None = None) -> int:
@@ -73,7 +90,7 @@ def decide(loop: LoopState, rows: int | None = None) -> str | None:
     """
     inexact = _inexact(loop)
     if inexact:
-        return f"runs: {', '.join(inexact)} changes the loss on NeMo-RL's on-policy path"
+        return f"runs: {'; '.join(inexact)}"
     if rows is None:
         rows = int(setting(loop.config, "grpo.num_prompts_per_step", 0)) * int(
             setting(loop.config, "grpo.num_generations_per_prompt", 0))
