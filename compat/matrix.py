@@ -35,6 +35,7 @@ class Cell:
     submodules: tuple[dict[str, str], ...] = ()  # packages pinned as git submodules of the source (see sources.py)
     reads_as: str | None = None  # the version the adapter reads from this source (a tag's own number may differ)
     venv_env: str | None = None  # a variable that may name a ready venv with the cell's packages (not installed then)
+    export: tuple[str, ...] = ()  # paths of a source checkout to export (default: the package; see sources.py)
 
     @property
     def name(self) -> str:
@@ -83,6 +84,7 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     submodules=tuple(spec.get("submodules", ())),
                     reads_as=entry.get("reads_as"),
                     venv_env=entry.get("venv_env", spec.get("venv_env")),
+                    export=tuple(entry.get("export", spec.get("export", ()))),
                 )
             )
     return cells
