@@ -143,7 +143,8 @@ RAY_PYTHON = "3.11"
 
 @nox.session(name="ray-startup", python=_interpreter(RAY_PYTHON), tags=["ci", "ray"])
 def ray_startup(session: nox.Session) -> None:
-    """The start-up directory reaches Ray actors of a venv without grpo_patches (tests/test_ray_startup.py).
+    """The start-up directory reaches Ray actors of a venv without grpo_patches (tests/test_ray_startup.py);
+    patch proxies survive Ray's by-value shipping of actor classes (tests/test_patch_pickling.py).
 
     The bare worker venv (ray, wrapt, packaging only) is made once under .cache/ (gitignored)."""
     session.install("-c", str(CONSTRAINTS), f"ray=={RAY}", "pytest", "pluggy", "wrapt", "packaging")
@@ -156,4 +157,5 @@ def ray_startup(session: nox.Session) -> None:
         (bare / ".ready").write_text(RAY)
     session.chdir(ROOT)
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ray_startup.py",
+                "tests/test_patch_pickling.py",  # patch proxies shipped the way Ray ships actor classes (ray.cloudpickle)
                 *session.posargs, env={"GRPO_PATCHES_RAY_WORKER_PYTHON": str(python)})

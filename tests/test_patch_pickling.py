@@ -8,6 +8,7 @@ process that receives a reference gets its own attribute: patched there, or the 
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import sys
 import textwrap
@@ -82,3 +83,71 @@ def test_plain_proxies_still_refuse_to_pickle(modules):
 def test_only_for_module_level_attributes():
     with pytest.raises(ValueError, match="module-level"):
         PatchTarget("m", "Class.method", _tagging, pickle_by_reference=True)
+
+
+def _cloudpickle():
+    for name in ("cloudpickle", "ray.cloudpickle"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    pytest.skip("not run: neither cloudpickle nor ray (the ray-startup and NeMo-RL compat sessions have ray)")
+
+
+RECEIVER = """
+import pickle, sys
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "patched":
+    from grpo_patches.patching import PatchTarget, apply_targets
+    from packaging.version import Version
+    import fakesrc.worker
+    apply_targets("fake", Version("1.0"), ">=1", [PatchTarget("fakesrc.worker", "helper",
+                  lambda w, i, a, k: ("patched", w(*a, **k)), pickle_by_reference=True)])
+actor = pickle.loads(open(sys.argv[3], "rb").read())
+print(actor().train(2))
+"""
+
+
+def test_a_ray_shipped_class_calls_the_receivers_attribute(modules, tmp_path):
+    """As Ray ships an actor class: by value, its methods copied at decoration (tracing wrappers),
+    their module names looked up again in the receiving process."""
+    import subprocess
+
+    cloudpickle = _cloudpickle()
+    source = modules.__file__.rsplit("/fakesrc/", 1)[0]
+    (tmp_path / "fakesrc" / "actor.py").write_text(textwrap.dedent("""
+        from fakesrc.worker import helper
+
+
+        def nvtx(func):  # NeMo-RL's @wrap_with_nvtx_name: a local wrapper, so shipped by value
+            def wrapper(*args, **kwargs):
+                return func(*args, **kwargs)
+            return wrapper
+
+
+        class Impl:
+            @nvtx
+            def train(self, x):
+                return helper(x)
+
+
+        def remote(cls):  # Ray's modified class: each method copied in at decoration
+            method = cls.train
+            return type(cls.__name__, (cls,), {"train": lambda self, *a, **k: method(self, *a, **k)})
+    """))
+    import fakesrc.actor as actor_module
+
+    applied = _apply(True)
+    try:
+        # patched after the module's import, as grpo_patches' start-up hooks do: the copied method
+        # keeps the original function; the name it calls is what must reach the receiver patched
+        actor_module.helper = modules.helper  # the by-name import, rebound as an import after patching would
+        blob = tmp_path / "actor.pkl"
+        blob.write_bytes(cloudpickle.dumps(actor_module.remote(actor_module.Impl)))
+    finally:
+        restore_all(applied)
+    script = tmp_path / "receive.py"
+    script.write_text(RECEIVER)
+    out = {mode: subprocess.run([sys.executable, str(script), source, mode, str(blob)], capture_output=True,
+                                text=True, check=True).stdout.strip() for mode in ("patched", "plain")}
+    assert out == {"patched": "('patched', ('helper', 2))", "plain": "('helper', 2)"}
