@@ -2,7 +2,8 @@
 
 Runs in the framework's own interpreter (a venv with the framework and grpo_patches), with
 ``GRPO_PATCHES`` unset (the caller's job) so only the runner's ``enable`` patches. Prints ``RESULT {json}``: the
-runner's result plus the process's peak RSS (``VmHWM``).
+runner's result plus the process's peak RSS (``VmHWM``; a runner whose training runs in another
+process, NeMo-RL's Ray worker, reports that one).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(spec["threads"])
     runner = importlib.import_module(f"fw_{framework}")
     result = runner.run(spec, patched, weights)
-    result["peak_rss_mb"] = peak_rss_mb()
+    result.setdefault("peak_rss_mb", peak_rss_mb())  # a runner whose training runs elsewhere reports that process
     print("RESULT " + json.dumps(result), flush=True)
 
 

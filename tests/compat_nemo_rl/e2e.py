@@ -26,6 +26,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,9 +40,44 @@ from typing import Any, Iterator
 
 STARTUP = Path(__file__).resolve().parent / "e2e_startup"
 WORKER_FQN = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"
-PROMPTS_PER_STEP, SAMPLES, STEPS = 4, 4, 3
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-PATTERNS = ("all", "even", "none", "even")  # per prompt: uniform, mixed, uniform, mixed -> half the rows at advantage 0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a run trains: rollout and batch sizes, the tiny model, the stand-in's answers.
+
+    ``patterns`` says, per prompt (cycled), which samples the generation stand-in answers
+    right: ``all`` / ``none`` (a uniform group: advantage exactly 0) or ``even``. Completions are
+    ``filler`` words (``None``: 1-3 by sample) then the answer digit.
+    """
+
+    prompts_per_step: int = 4
+    samples: int = 4
+    steps: int = 3
+    micro_batch: int = 8  # two prompt groups a micro-batch: the filter packs kept rows of different ones together
+    lr: float = 0.5
+    patterns: tuple[str, ...] = ("all", "even", "none", "even")  # half the rows at advantage 0
+    distinct_prompts: int | None = None  # None: new prompts every step; else these, repeated
+    filler: int | None = None
+    max_length: int = 32
+    hidden: int = 64
+    layers: int = 2
+    seed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.prompts_per_step * self.samples
+
+    @property
+    def zero_rows(self) -> int:
+        """Rows per step whose advantage is exactly 0 (the uniform groups)."""
+        patterns = [self.patterns[i % len(self.patterns)] for i in range(self.prompts_per_step)]
+        return self.samples * sum(p in ("all", "none") for p in patterns)
+
+
+#: The end-to-end cells' shape: 3 steps of 4 prompts x 4 samples, half the rows at advantage 0.
+CELL = Shape()
 
 
 def free_port() -> int:
@@ -109,7 +145,13 @@ class RayCluster:
         raise RuntimeError(f"ray start did not come up in {timeout} s: {self.log.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        """SIGTERM to the head's process group (``--block`` then stops what it started), SIGKILL after 30 s."""
+        """SIGTERM to the head's process group (``--block`` then stops what it started), SIGKILL after
+        30 s; then its temp dir goes (``GRPO_PATCHES_E2E_KEEP=1`` keeps it, with Ray's logs)."""
+        self._stop()
+        if not os.environ.get("GRPO_PATCHES_E2E_KEEP"):
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _stop(self) -> None:
         if self.process is None or self.process.poll() is not None and not _group_alive(self.process.pid):
             return
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -170,40 +212,47 @@ def worker_venv(root: Path) -> Path:
     return venv
 
 
-def assets(root: Path) -> dict[str, Path]:
-    """The tiny model and tokenizer directories and the data file (``input`` / ``output`` / ``pattern``)."""
+def assets(root: Path, shape: Shape = CELL) -> dict[str, Path]:
+    """The tiny model and tokenizer directories and the data file (``input`` / ``output`` /
+    ``pattern`` / ``filler`` per prompt, in the order the runs take them)."""
     from grpo_patches import tiny_model
 
-    model_dir, tokenizer_dir = root / "tiny-qwen2", root / "tokenizer"
+    model_dir, tokenizer_dir = root / f"tiny-qwen2-h{shape.hidden}-l{shape.layers}-s{shape.seed}", root / "tokenizer"
     if not (model_dir / "config.json").exists():
-        tiny_model.build_model(seed=0, hidden_size=64, num_layers=2).float().save_pretrained(model_dir)
+        tiny_model.build_model(seed=shape.seed, hidden_size=shape.hidden, num_layers=shape.layers).float() \
+            .save_pretrained(model_dir)
     if not (tokenizer_dir / "tokenizer.json").exists():  # apart: next to a Qwen2 config, AutoTokenizer picks Qwen2's class
         tokenizer = tiny_model.build_tokenizer()
         tokenizer.chat_template = PASSTHROUGH_TEMPLATE  # the prompt is the question (the word vocabulary has no markup)
         tokenizer.save_pretrained(tokenizer_dir)
     words = [w for w in tiny_model.WORDS if not w.isdigit()]
+    distinct = shape.distinct_prompts or shape.prompts_per_step * shape.steps
     rows = []
-    for i in range(PROMPTS_PER_STEP * STEPS):
+    for n in range(shape.prompts_per_step * shape.steps):
+        i = n % distinct
         question = " ".join(words[(7 * i + j) % len(words)] for j in range(4 + i % 3))
-        rows.append({"input": question, "output": str(i % 10), "pattern": PATTERNS[i % len(PATTERNS)]})
-    data = root / "math.jsonl"
+        rows.append({"input": question, "output": str(i % 10), "pattern": shape.patterns[i % len(shape.patterns)],
+                     "filler": shape.filler})
+    data = root / f"math-{shape.prompts_per_step}x{shape.steps}-{distinct}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"model": model_dir, "tokenizer": tokenizer_dir, "data": data}
 
 
-def overrides(files: dict[str, Path], log_dir: Path, train_batch: int) -> list[str]:
-    """``examples/configs/grpo_math_1B.yaml`` made tiny: fp32, SGD, KL 0, 3 steps, 16 rows a step,
-    ``train_batch`` rows per optimizer step, the stand-in generation's data, tensorboard logs."""
+def overrides(files: dict[str, Path], log_dir: Path, train_batch: int, shape: Shape = CELL) -> list[str]:
+    """``examples/configs/grpo_math_1B.yaml`` made tiny: fp32, SGD, KL 0, ``shape``'s steps, rollouts
+    and micro-batches, ``train_batch`` rows per optimizer step, the stand-in generation's data,
+    tensorboard logs, no checkpoints."""
     return [
         f"policy.model_name={files['model']}", f"policy.tokenizer.name={files['tokenizer']}",
         "policy.precision=float32", f"policy.train_global_batch_size={train_batch}",
-        "policy.train_micro_batch_size=4", "policy.logprob_batch_size=4", "policy.max_total_sequence_length=32",
+        f"policy.train_micro_batch_size={shape.micro_batch}", f"policy.logprob_batch_size={shape.micro_batch}",
+        f"policy.max_total_sequence_length={shape.max_length}",
         "policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=false",
-        "policy.optimizer.name=torch.optim.SGD", "policy.optimizer.kwargs.lr=0.5", "policy.optimizer.kwargs.weight_decay=0.0",
-        "~policy.optimizer.kwargs.betas", "~policy.optimizer.kwargs.eps", "policy.max_grad_norm=1000.0",
-        "policy.generation.max_new_tokens=8",
-        f"grpo.num_prompts_per_step={PROMPTS_PER_STEP}", f"grpo.num_generations_per_prompt={SAMPLES}",
-        f"grpo.max_num_steps={STEPS}", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        "policy.optimizer.name=torch.optim.SGD", f"policy.optimizer.kwargs.lr={shape.lr}",
+        "policy.optimizer.kwargs.weight_decay=0.0", "~policy.optimizer.kwargs.betas", "~policy.optimizer.kwargs.eps",
+        "policy.max_grad_norm=1000.0", f"policy.generation.max_new_tokens={shape.max_length // 2}",
+        f"grpo.num_prompts_per_step={shape.prompts_per_step}", f"grpo.num_generations_per_prompt={shape.samples}",
+        f"grpo.max_num_steps={shape.steps}", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
         "loss_fn.reference_policy_kl_penalty=0.0",
         "data.shuffle=false", "data.num_workers=0", "data.train.dataset_name=ResponseDataset",
         f"++data.train.data_path={files['data']}", "data.train.split_validation_size=0", "data.default.prompt_file=null",
@@ -244,17 +293,22 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: dict[str, Path], train_batch: int,
-             options: str | None, timeout: float = 900) -> Run:
-    """``examples/run_grpo.py`` unpatched (``options is None``) or through ``grpo-patches run``."""
+             options: str | None, shape: Shape = CELL, timeout: float = 900, threads: int = 1,
+             save_calls: tuple[int, ...] | None = None) -> Run:
+    """``examples/run_grpo.py`` unpatched (``options is None``) or through ``grpo-patches run``.
+
+    :param save_calls: the worker's train calls after which it saves its weights (0: before the
+        first; ``None``: every one)."""
     work.mkdir(parents=True, exist_ok=True)
     log_dir = work / "logs"
     script = source / "examples" / "run_grpo.py"
     config = source / "examples" / "configs" / "grpo_math_1B.yaml"
     command = [sys.executable, str(script), "--config", str(config),
-               *overrides(files, log_dir, train_batch)]
+               *overrides(files, log_dir, train_batch, shape)]
     if options is not None:
-        cli = Path(sys.executable).parent / "grpo-patches"
-        command = [str(cli), "run", "--frameworks", "nemo_rl", "--options", options, "--dir",
+        cli = Path(sys.executable).parent / "grpo-patches"  # the README's command; the module where no script is
+        launcher = [str(cli)] if cli.exists() else [sys.executable, "-m", "grpo_patches.cli"]
+        command = [*launcher, "run", "--frameworks", "nemo_rl", "--options", options, "--dir",
                    str(work.parent / "grpo-patches-startup"), "--", *command]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_PATCHES", "RAY_"))}
     env.update({
@@ -263,9 +317,11 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
         "GRPO_PATCHES_E2E_TOKENIZER": str(files["tokenizer"]), "GRPO_PATCHES_E2E_DUMP": str(work),
         **cluster.env, "NEMO_RL_VENV_DIR": str(venvs), "NRL_FORCE_REBUILD_VENVS": "false",
         "NRL_DISABLE_NUMA_BINDING": "1", "NRL_SKIP_CONTAINER_FINGERPRINT_CHECK": "1", "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
     })
+    if save_calls is not None:
+        env["GRPO_PATCHES_E2E_SAVE_CALLS"] = ",".join(map(str, save_calls))
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
@@ -279,7 +335,8 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
         return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
     worker = lines("worker.jsonl")
-    weights = work / f"weights-{worker[-1]['call']}.pt" if worker else None
+    saved = sorted(work.glob("weights-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    weights = saved[-1] if worker and saved else None
     return Run(returncode, time.perf_counter() - start, output, read_scalars(log_dir) if log_dir.exists() else {},
                worker, lines("driver.jsonl"), weights)
 

@@ -38,8 +38,7 @@ for _module in ("ray", "tensorboard", "math_verify"):
 TOL = 1e-5
 DEFAULTS = ""  # grpo-patches run --options "": every option at its default
 FORCED = "tiled_loss=1,zero_advantage_filter=1"
-ROWS = e2e.PROMPTS_PER_STEP * e2e.SAMPLES
-ZERO_ROWS = e2e.SAMPLES * sum(p in ("all", "none") for p in e2e.PATTERNS)  # uniform groups: advantage exactly 0
+ROWS, ZERO_ROWS, STEPS = e2e.CELL.rows, e2e.CELL.zero_rows, e2e.CELL.steps  # zero rows: uniform groups (advantage 0)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,7 @@ def _compare(base: e2e.Run, patched: e2e.Run, label: str, record_property) -> No
 
     for tag in ("train/loss", "train/grad_norm"):
         ours, theirs = patched.step_values(tag), base.step_values(tag)
-        assert len(ours) == len(theirs) == e2e.STEPS, (tag, ours, theirs)
+        assert len(ours) == len(theirs) == STEPS, (tag, ours, theirs)
         worst = max(_rel(a, b) for a, b in zip(ours, theirs))
         record_property(f"exact_e2e_{label}_{tag.split('/')[1]}_rel", worst)
         assert worst <= TOL, (tag, ours, theirs)
@@ -109,8 +108,8 @@ def test_one_optimizer_step_per_rollout(run, record_property):
     base, patched = run("unpatched-1step", ROWS, None), run("patched-1step", ROWS, DEFAULTS)
     _compare(base, patched, "one_step", record_property)
     _unpatched_saw_nothing(base)
-    assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * e2e.STEPS
-    assert patched.step_values("train/grpo_patches/old_logprob_passes_skipped") == [1.0] * e2e.STEPS
+    assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * STEPS
+    assert patched.step_values("train/grpo_patches/old_logprob_passes_skipped") == [1.0] * STEPS
     # NeMo-RL's own timers: it prepared the workers for a log-prob pass only when one ran
     assert "timing/train/logprob_inference_prep" in base.scalars
     assert "timing/train/logprob_inference_prep" not in patched.scalars
@@ -121,7 +120,7 @@ def test_one_optimizer_step_per_rollout(run, record_property):
     driver = _driver_report(patched)
     assert driver["notes"]["prev_logprobs"].startswith("skipped: provably on-policy")
     assert driver["notes"]["workers"].startswith("reached through the start-up directory")
-    assert driver["savings"]["old_logprob_passes_skipped"] == e2e.STEPS
+    assert driver["savings"]["old_logprob_passes_skipped"] == STEPS
     record_property("e2e_rows_dropped_per_step", f"{ZERO_ROWS} of {ROWS}")
 
 
@@ -131,8 +130,8 @@ def test_two_optimizer_steps_per_rollout(run, record_property):
     base, patched = run("unpatched-2steps", ROWS // 2, None), run("patched-2steps", ROWS // 2, DEFAULTS)
     _compare(base, patched, "two_steps", record_property)
     _unpatched_saw_nothing(base)
-    assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * e2e.STEPS
-    assert patched.step_values("train/grpo_patches/old_logprob_passes_skipped") == [0.0] * e2e.STEPS
+    assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * STEPS
+    assert patched.step_values("train/grpo_patches/old_logprob_passes_skipped") == [0.0] * STEPS
     assert "timing/train/logprob_inference_prep" in patched.scalars
     driver = _driver_report(patched)
     assert "make 2 optimizer steps" in driver["notes"]["prev_logprobs"]
@@ -144,7 +143,7 @@ def test_tiled_loss_and_filter_forced_on(run, record_property):
     and the lm-head weight, tile by tile, on the kept rows only."""
     base, patched = run("unpatched-1step", ROWS, None), run("patched-tiled", ROWS, FORCED)
     _compare(base, patched, "tiled_filter", record_property)
-    assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * e2e.STEPS
+    assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * STEPS
     worker = _worker_report(patched)
     assert worker["options"]["tiled_loss"] is True and worker["options"]["zero_advantage_filter"] is True
     assert worker["notes"]["tiled_loss"].startswith("on") and worker["notes"]["zero_advantage_filter"] == "on"

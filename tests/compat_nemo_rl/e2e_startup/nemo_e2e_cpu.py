@@ -15,11 +15,12 @@ concerned (``wrapt`` post-import hooks):
   ``GRPO_PATCHES_E2E_TOKENIZER``) the k-th
   sample ends with the right answer or a wrong one by the row's pattern (``all``: every sample
   right, ``none``: none, ``even``: k even), so groups are mixed or uniform (uniform groups have
-  advantage exactly 0). ``grpo.refit_policy_generation`` (CUDA IPC / NCCL weight transfer)
+  advantage exactly 0), after the row's ``filler`` words (1-3 by sample when absent). ``grpo.refit_policy_generation`` (CUDA IPC / NCCL weight transfer)
   does nothing: the stand-in reads no weights.
 * observation: with ``GRPO_PATCHES_E2E_DUMP`` set, the DTensor policy worker writes its weights
-  before training (``weights-0.pt``) and after each ``train`` call (``weights-<call>.pt``) and
-  one JSON line per call (its pid, whether grpo_patches is importable there and that process's
+  before training (``weights-0.pt``) and after each ``train`` call (``weights-<call>.pt``; only
+  the calls ``GRPO_PATCHES_E2E_SAVE_CALLS`` lists, when set) and one JSON line per call (its pid
+  and peak RSS, whether grpo_patches is importable there and that process's
   ``grpo_patches.status()``, the loss of each optimizer step); the driver writes its own
   ``status()`` at exit.
 """
@@ -177,7 +178,8 @@ class CpuGeneration:
     def _completion(self, row: dict[str, Any], sample: int) -> list[int]:
         right = {"all": True, "none": False, "even": sample % 2 == 0}[row["pattern"]]
         answer = row["output"] if right else str((int(row["output"]) + 1) % 10)
-        filler = ["ba", "be", "bi", "bo"][: 1 + sample % 3]
+        words = row.get("filler") or 1 + sample % 3
+        filler = [("ba", "be", "bi", "bo")[i % 4] for i in range(words)]
         return [*self.tokenizer.convert_tokens_to_ids([*filler, answer]), self.tokenizer.eos_token_id]
 
     def generate(self, data: Any, greedy: bool = False) -> Any:
@@ -275,6 +277,17 @@ def _worker_of_caller() -> Any:
     return None
 
 
+def _saves(call: int) -> bool:
+    """Whether the weights are saved after train call ``call`` (``GRPO_PATCHES_E2E_SAVE_CALLS``: a comma list; default all)."""
+    wanted = os.environ.get("GRPO_PATCHES_E2E_SAVE_CALLS")
+    return wanted is None or str(call) in wanted.split(",")
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def _save_weights(worker: Any, call: int) -> None:
     import torch
 
@@ -294,7 +307,8 @@ def _observe_data(module: Any) -> None:
         worker = _worker_of_caller()
         if worker is not None and _TRAIN_CALLS[0] == 0 and not getattr(worker, "_e2e_saved_initial", False):
             worker._e2e_saved_initial = True
-            _save_weights(worker, 0)
+            if _saves(0):
+                _save_weights(worker, 0)
         return original(*args, **kwargs)
 
     module.process_global_batch = process_global_batch
@@ -320,8 +334,10 @@ def _observe_train(module: Any) -> None:
             return result
         _TRAIN_CALLS[0] += 1
         call = _TRAIN_CALLS[0]
-        _save_weights(worker, call)
+        if _saves(call):
+            _save_weights(worker, call)
         _append("worker.jsonl", {"call": call, "pid": os.getpid(), "executable": sys.executable,
+                                 "peak_rss_mb": _peak_rss_mb(),
                                  "loss": [float(x) for x in torch.as_tensor(result["global_loss"]).reshape(-1)],
                                  "grpo_patches": _grpo_patches_report()})
         return result
