@@ -16,7 +16,10 @@ from the only optimizer step that consumes the batch). Provably on-policy means:
   no ``grpo.seq_logprob_error_threshold``, no advantage estimator that uses them
   (Reinforce++ with ``use_kl_in_reward`` and a KL penalty, on-policy distillation);
 * the loss keeps its formula under the substitution: not ``disable_ppo_ratio`` / ``use_cispo``
-  (NeMo-RL's own on-policy path changes those losses' reported value).
+  (NeMo-RL's own on-policy path changes those losses' reported value);
+* the zero placeholder cannot reach a loss that reads it: the loss is ``ClippedPGLossFn`` and
+  the policy trains through ``Policy.train`` itself (the patched call that puts the loss on its
+  on-policy path; a subclass with its own ``train`` might not call it).
 
 How the step is skipped, per tag: v0.7.0+ wraps ``opd._skip_prev_logprobs`` (NeMo-RL's own
 predicate, read through the module by ``grpo_train``), so NeMo-RL's own skip path runs
@@ -28,6 +31,7 @@ never logged as if real (:mod:`.honest_logs`).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from grpo_patches import api
@@ -60,8 +64,6 @@ def _inexact(loop: LoopState) -> list[str]:
     """Why the loss would not reproduce the pass from the detached current log-probs, or the zero
     placeholder could reach a loss that reads it (the skip is exact only through the patched
     ``Policy.train``, which puts ``ClippedPGLossFn`` on its on-policy path for the call)."""
-    import sys
-
     loss = loop.loss_fn
     problems = [f"loss_fn.{name} changes the loss on NeMo-RL's on-policy path"
                 for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
