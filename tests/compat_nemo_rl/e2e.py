@@ -305,14 +305,20 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
     config = source / "examples" / "configs" / "grpo_math_1B.yaml"
     command = [sys.executable, str(script), "--config", str(config),
                *overrides(files, log_dir, train_batch, shape)]
+    other_package: list[str] = []
     if options is not None:
+        # GRPO_E2E_PYTHONPATH (test-only) goes first for patched runs: a folder holding another copy of
+        # grpo_patches (adapters at grpo_patches/adapters), e.g. one with a planted fault; the launcher
+        # builds the start-up directory from it, so the worker runs it too. Unpatched runs never see it.
+        other_package = [p for p in os.environ.get("GRPO_E2E_PYTHONPATH", "").split(os.pathsep) if p]
         cli = Path(sys.executable).parent / "grpo-patches"  # the README's command; the module where no script is
         launcher = [str(cli)] if cli.exists() else [sys.executable, "-m", "grpo_patches.cli"]
         command = [*launcher, "run", "--frameworks", "nemo_rl", "--options", options, "--dir",
                    str(work.parent / "grpo-patches-startup"), "--", *command]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_PATCHES", "RAY_"))}
     env.update({
-        "PYTHONPATH": os.pathsep.join([str(STARTUP), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]),
+        "PYTHONPATH": os.pathsep.join([*other_package, str(STARTUP),
+                                       *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]),
         "GRPO_PATCHES_E2E_CPU": "1", "GRPO_PATCHES_E2E_DATA": str(files["data"]),
         "GRPO_PATCHES_E2E_TOKENIZER": str(files["tokenizer"]), "GRPO_PATCHES_E2E_DUMP": str(work),
         **cluster.env, "NEMO_RL_VENV_DIR": str(venvs), "NRL_FORCE_REBUILD_VENVS": "false",
