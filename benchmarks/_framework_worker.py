@@ -2,7 +2,8 @@
 
 Runs in the framework's own interpreter (a venv with the framework and grpo_patches), with
 ``GRPO_PATCHES`` unset (the caller's job) so only the runner's ``enable`` patches. Prints ``RESULT {json}``: the
-runner's result plus the process's peak RSS (``VmHWM``).
+runner's result plus the process's peak RSS (``VmHWM``; a runner whose training runs in another
+process, NeMo-RL's Ray worker, reports that one).
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The versions each runner (``fw_<name>.py``) runs, within the adapter's supported range;
 #: a runner asked for another answers "not run". verl: the legacy worker line (verl_v1: the engine
-#: line through main_ppo's V1 trainer, 0.9+); NeMo-RL: v0.6.0 and v0.7.0 (v0.5.0 needs its own worker
-#: environment; main, read as 0.8.0.dev0, is untried).
-RUNS = {"trl": "", "verl": "<0.8", "verl_v1": ">=0.9", "nemo_rl": ">=0.6.0,<0.8.0.dev0"}
+#: line through main_ppo's V1 trainer, 0.9+); NeMo-RL: v0.6.0 (in-process), v0.7.0 and main (run_grpo.py;
+#: v0.5.0 needs its own worker environment).
+RUNS = {"trl": "", "verl": "<0.8", "verl_v1": ">=0.9", "nemo_rl": ">=0.6.0"}
 #: Distribution whose version the probe reads (NeMo-RL's comes from the tag instead).
 DISTRIBUTIONS = {"trl": "trl", "verl": "verl", "verl_v1": "verl"}
 

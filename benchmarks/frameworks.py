@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         " Each framework runs in the interpreter holding the newest version its adapter supports and its runner "
         "runs, among the project's .venv and the compat venvs (compat/.nox/), unless --python names one."))
     p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS),
-                   help="which frameworks (default: all three; those without an interpreter become 'not run' rows)")
+                   help="which frameworks (default: all of them: trl, verl (legacy line), verl_v1 (main_ppo), nemo_rl; those without an interpreter become 'not run' rows)")
     p.add_argument("--python", nargs="+", default=[], metavar="NAME=PATH",
                    help="a framework's interpreter, e.g. verl=compat/.nox/cpu-verl-0-7-1/bin/python (default: "
                         "$GRPO_BENCH_PYTHON_<NAME>, else the newest supported version found)")

@@ -1,6 +1,9 @@
-"""The cross-framework workload in NeMo-RL (v0.6.0 and v0.7.0 run; main untried), from a source checkout.
+"""The cross-framework workload in NeMo-RL, from a source checkout.
 
-One process, no Ray. Real NeMo-RL code: the driver's ``Policy.get_logprobs``,
+v0.7.0 and main: NeMo-RL's own entry point, ``examples/run_grpo.py``, on a Ray cluster of the
+run (:func:`run_entry_point`; how it runs on a CPU: ``tests/compat_nemo_rl/e2e.py``).
+
+v0.6.0: one process, no Ray. Real NeMo-RL code: the driver's ``Policy.get_logprobs``,
 ``Policy.get_reference_policy_logprobs`` and ``Policy.train`` (a ``Policy`` built without its
 ``__init__``, which needs a Ray cluster) whose worker group is a stand-in of one that calls
 the real ``DTensorPolicyWorkerV2(Impl)`` ``get_logprobs`` / ``get_reference_policy_logprobs`` /
@@ -207,10 +210,68 @@ def _step(tag: str, policy: Any, loss_fn: Any, config: Any, data: Any, rewards: 
     return policy.train(data, loss_fn)
 
 
+#: NeMo-RL's own timers (``timing/train/<name>``, seconds per step) that make up the trainer side.
+TRAINER_SIDE = ("logprob_inference_prep", "policy_and_reference_logprobs", "training_prep", "policy_training")
+
+
+def _shape(spec: dict[str, Any]) -> Any:
+    """The workload as an end-to-end run's shape: the first ``saturated`` prompts uniform (every
+    sample right, or every one wrong: advantage exactly 0), the others mixed."""
+    from tests.compat_nemo_rl import e2e
+
+    patterns = tuple(("all", "none")[i % 2] if i < spec["saturated"] else "even" for i in range(spec["prompts"]))
+    return e2e.Shape(prompts_per_step=spec["prompts"], samples=spec["generations"], steps=spec["steps"],
+                     micro_batch=spec["micro_rows"], lr=spec["lr"], patterns=patterns, distinct_prompts=spec["prompts"],
+                     filler=spec["completion_tokens"] - 2, max_length=spec["completion_tokens"] + 16,
+                     hidden=spec["hidden"], layers=spec["layers"], seed=spec["seed"])
+
+
+def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
+    """v0.7.0 / main: NeMo-RL's ``examples/run_grpo.py`` itself, as the end-to-end cells run it
+    (``tests/compat_nemo_rl/e2e.py``: a Ray cluster of this run, the DTensor worker as a Ray actor,
+    the CPU stand-ins); patched runs start it through ``grpo-patches run`` (default options).
+    Times are NeMo-RL's own timers per step (:data:`TRAINER_SIDE`; ``generation`` apart)."""
+    import shutil
+    import tempfile
+
+    from grpo_patches import registry
+    from tests.compat_nemo_rl import e2e
+
+    shape = _shape(spec)
+    root = Path(tempfile.mkdtemp(prefix="nemo-bench-"))
+    try:
+        files = e2e.assets(root, shape)
+        venvs = root / "venvs"
+        e2e.worker_venv(venvs)
+        with e2e.RayCluster() as cluster:
+            result = e2e.run_grpo(e2e.source_root(), root / "run", cluster, venvs, files, shape.rows,
+                                  "" if patched else None, shape=shape, timeout=1500, threads=spec["threads"],
+                                  save_calls=(0, shape.steps))
+        if result.returncode != 0:
+            raise RuntimeError(f"run_grpo.py exited {result.returncode}: {result.output[-3000:]}")
+        timing = {name: result.step_values(f"timing/train/{name}") for name in (*TRAINER_SIDE, "generation")}
+        steps = [{"trainer_side": sum(timing[name][i] if i < len(timing[name]) else 0.0 for name in TRAINER_SIDE),
+                  "generation": timing["generation"][i]} for i in range(shape.steps)]
+        shutil.copy(result.weights, weights)
+        prev_pass = result.scalars.get("timing/train/get_logprobs/shard_data", {})  # NeMo-RL times each pass it runs
+        reference = [k for k in result.scalars if k.startswith("timing/train/") and "reference_policy_logprobs" in k
+                     and "policy_and_reference" not in k]
+        return {"version": str(registry.get("nemo_rl").installed_version()),
+                "line": f"{tag} examples/run_grpo.py (Ray)", "steps": steps, "old_logprob_passes": len(prev_pass),
+                "reference_passes": max((len(result.scalars[k]) for k in reference), default=0),
+                "rows_dropped": int(sum(result.step_values("train/grpo_patches/rows_dropped"))),
+                "rows_total": shape.rows * shape.steps, "peak_rss_mb": result.worker[-1]["peak_rss_mb"]}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     _imports()
     from tests.compat_nemo_rl import harness
 
+    if harness.tag() in ("v0.7.0", "main"):
+        harness.need_worker()
+        return run_entry_point(harness.tag(), spec, patched, weights)
     tag = harness.setup()
     _no_pinned_memory()
     if tag == "v0.5.0":

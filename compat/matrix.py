@@ -40,6 +40,7 @@ class Cell:
     e2e_tests: tuple[str, ...] = ()  # the e2e tier's tests (for cells with e2e)
     e2e: bool = False  # the cell has an e2e tier
     e2e_ci: bool = False  # CI runs the cell's e2e tier
+    export: tuple[str, ...] = ()  # paths of a source checkout to export (default: the package; see sources.py)
 
     @property
     def name(self) -> str:
@@ -98,6 +99,7 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     e2e_tests=tuple(spec.get("e2e_tests", ())),
                     e2e=bool(entry.get("e2e", False)),
                     e2e_ci=bool(entry.get("e2e_ci", False)),
+                    export=tuple(entry.get("export", spec.get("export", ()))),
                 )
             )
     return cells

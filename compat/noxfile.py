@@ -77,8 +77,8 @@ def _layer_on(session: nox.Session, ready: str) -> None:
     sites = sorted(Path(ready).glob("lib/python3*/site-packages"))
     if not sites:
         session.error(f"{ready}: no lib/python3*/site-packages (is it a virtual environment?)")
-    purelib = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                          silent=True).strip().splitlines()[-1]
+    purelib = session.run_install("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                                  silent=True).strip().splitlines()[-1]  # run_install: also under --install-only
     (Path(purelib) / READY_PTH).write_text(f"import site; site.addsitedir({str(sites[0])!r})\n")
 
 
@@ -182,7 +182,8 @@ RAY_PYTHON = "3.11"
 
 @nox.session(name="ray-startup", python=_interpreter(RAY_PYTHON), tags=["ci", "ray"])
 def ray_startup(session: nox.Session) -> None:
-    """The start-up directory reaches Ray actors of a venv without grpo_patches (tests/test_ray_startup.py).
+    """The start-up directory reaches Ray actors of a venv without grpo_patches (tests/test_ray_startup.py);
+    patch proxies survive Ray's by-value shipping of actor classes (tests/test_patch_pickling.py).
 
     The bare worker venv (ray, wrapt, packaging only) is made once under .cache/ (gitignored)."""
     session.install("-c", str(CONSTRAINTS), f"ray=={RAY}", "pytest", "pluggy", "wrapt", "packaging")
@@ -202,4 +203,6 @@ def ray_startup(session: nox.Session) -> None:
     _write_record("cpu-ray-startup", session="ray-startup", framework="ray-startup", version=f"ray {RAY}", tier="cpu",
                   python=RAY_PYTHON, status="ran", installed={"ray": RAY})
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                "tests/test_ray_startup.py", *session.posargs, env={"GRPO_PATCHES_RAY_WORKER_PYTHON": str(python)})
+                "tests/test_ray_startup.py",
+                "tests/test_patch_pickling.py",  # patch proxies shipped the way Ray ships actor classes (ray.cloudpickle)
+                *session.posargs, env={"GRPO_PATCHES_RAY_WORKER_PYTHON": str(python)})

@@ -9,6 +9,7 @@ reads the module from ``sys.modules``.
 from __future__ import annotations
 
 import importlib
+import operator
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -39,6 +40,9 @@ class PatchTarget:
         (:mod:`grpo_patches.caller_frame`), for a method that warns with ``stacklevel=2`` (its
         warnings then keep the user's file, line and module filters). It costs a trampoline
         per call, so only such records set it; every record on that attribute should.
+    :ivar pickle_by_reference: the patched (module-level) attribute pickles as a reference to
+        where it stands, ``module.attribute``, as Python pickles a module function
+        (:class:`ReferenceProxy`): for functions that Ray ships to its workers by value.
     """
 
     module: str
@@ -47,6 +51,11 @@ class PatchTarget:
     versions: str | None = None
     option: str | None = None
     caller_frame: bool = False
+    pickle_by_reference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pickle_by_reference and "." in self.attribute:
+            raise ValueError(f"{self.name}: pickle_by_reference is for module-level attributes")
 
     @property
     def name(self) -> str:
@@ -63,6 +72,46 @@ class PatchTarget:
         for part in qualname.split("."):
             found = getattr(found, part)
         return found
+
+
+class _ModuleByName:
+    """Pickles as ``importlib.import_module(name)``: the receiver needs nothing of grpo_patches."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return importlib.import_module, (self.name,)
+
+
+class ReferenceProxy(wrapt.FunctionWrapper):
+    """A patch proxy that pickles as a reference to the attribute it stands at.
+
+    Ray ships an actor class by value when its module attribute is the actor handle
+    (``@ray.remote``), and with it every function its methods call by a module name, each
+    pickled by reference (module + name) and looked up again in the worker. A plain
+    ``wrapt.FunctionWrapper`` there either refuses to pickle, or (standing at a name it was
+    imported under, ``from a import f``) passes cloudpickle's by-reference check under the
+    wrapped function's own module and gets shipped unpatched, by value. This proxy pickles as
+    ``operator.attrgetter(attribute)(importlib.import_module(module))``: the receiving process
+    gets its own attribute -- patched if grpo_patches is enabled there, the original if not --
+    as it would for the unpatched function. ``isinstance(proxy, types.FunctionType)`` is
+    ``False`` (cloudpickle would take it for a function and pickle the wrapped one by value).
+    """
+
+    def __init__(self, wrapped: Any, wrapper: Any, module: str, attribute: str) -> None:
+        super().__init__(wrapped, wrapper)
+        self._self_location = (module, attribute)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105 - see the class docstring
+        return type(self)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any]]:
+        module, attribute = self._self_location
+        return operator.attrgetter(attribute), (_ModuleByName(module),)
 
 
 @dataclass
@@ -133,7 +182,11 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     applied = []
     for target, wrapper in zip(targets, wrappers):
         parent, attribute, original, owned = _resolve(target)  # again: stacked records see the earlier proxy
-        proxy = wrapt.FunctionWrapper(original, transparent(wrapper) if target.caller_frame else wrapper)
+        fn = transparent(wrapper) if target.caller_frame else wrapper
+        if target.pickle_by_reference:
+            proxy = ReferenceProxy(original, fn, target.module, target.attribute)
+        else:
+            proxy = wrapt.FunctionWrapper(original, fn)
         setattr(parent, attribute, proxy)
         applied.append(AppliedPatch(target, parent, attribute, original, owned, proxy))
     return applied

@@ -54,7 +54,7 @@ class Policy:
                  init_optimizer=True, weights_path=None, optimizer_path=None, init_reference_model=True,
                  processor=None):
         self.cfg = config
-        worker_class = DTensorPolicyWorkerV2.__ray_metadata__.modified_class.__ray_actor_class__
+        worker_class = DTensorPolicyWorkerV2.__ray_metadata__.modified_class  # the class a Ray actor runs
         self.worker = worker_class(config["model_factory"](), config, lr=config.get("lr", 0.1))
         self.worker.reference = copy.deepcopy(self.worker.model) if init_reference_model else None
         self.calls = {"get_logprobs": 0, "get_reference_policy_logprobs": 0, "train": 0}
@@ -222,6 +222,7 @@ def grpo_train(policy, policy_generation, dataloader, val_dataloader, tokenizer,
             metrics.update(seq_metrics)
         logger.log_batched_dict_as_jsonl({{"prev_logprobs": train_data["prev_logprobs"].tolist()}},
                                          f"train_data_step{{step}}.jsonl")
+        print(f"Loss: {{metrics['loss']:.4f}} Generation KL Error: {{metrics['gen_kl_error']:.4f}}")  # as grpo_train
         if metrics["token_mult_prob_error"] > 1.05:
             logger.log_plot_token_mult_prob_error({{"prev_logprobs": train_data["prev_logprobs"]}}, step,
                                                   name="train/token_mult_prob_error_plot_sample")

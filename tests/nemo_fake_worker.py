@@ -41,7 +41,10 @@ def process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size):
 
 # v0.6.0+ ``nemo_rl.models.automodel.train``
 AUTOMODEL_TRAIN = '''
+from collections import defaultdict
 from functools import partial
+
+import torch
 
 from nemo_rl.algorithms.loss import prepare_loss_input
 
@@ -104,6 +107,14 @@ def automodel_forward_backward(model, data_iterator, post_processing_fn, forward
             (result * dp_size * cp_size).backward()
         results.append((result, metrics))
     return results
+
+
+def aggregate_training_statistics(losses, all_mb_metrics, grad_norm, dp_group, dtype):
+    merged = defaultdict(list)
+    for m in all_mb_metrics:
+        for k, v in m.items():
+            merged[k].append(v)
+    return {"global_loss": torch.tensor(losses), "grad_norm": grad_norm, "all_mb_metrics": dict(merged)}
 '''
 
 WORKER_COMMON = '''
@@ -120,9 +131,21 @@ class _Mesh:
 
 
 def ray_remote(cls):
-    """``@ray.remote``'s shape: the module attribute is a handle; the class is reachable from it."""
+    """``@ray.remote``'s shape: the module attribute is a handle; the class the actor runs is built
+    here, at decoration, with every method copied into it (Ray's tracing wrappers): a patch put on
+    ``cls`` afterwards does not reach it, the module names its methods call do."""
+    def frozen(method):
+        def call(self, *args, **kwargs):
+            return method(self, *args, **kwargs)
+
+        return call
+
+    actor = type(cls.__name__, (cls,), {"__ray_actor_class__": cls})
+    for name, method in list(vars(cls).items()) + [(n, m) for b in cls.__mro__[1:-1] for n, m in vars(b).items()]:
+        if callable(method) and not name.startswith("__") and name not in vars(actor):
+            setattr(actor, name, frozen(method))
     handle = type("ActorClass", (), {})()
-    handle.__ray_metadata__ = type("M", (), {"modified_class": type("C", (), {"__ray_actor_class__": cls})})()
+    handle.__ray_metadata__ = type("M", (), {"modified_class": actor})()
     return handle
 
 
@@ -213,7 +236,7 @@ DTensorPolicyWorkerV2 = ray_remote(_Worker)
 
 WORKER_V06 = WORKER_COMMON + '''
 from nemo_rl.models.automodel.data import get_microbatch_iterator, process_global_batch
-from nemo_rl.models.automodel.train import LossPostProcessor, automodel_forward_backward
+from nemo_rl.models.automodel.train import LossPostProcessor, aggregate_training_statistics, automodel_forward_backward
 
 
 class DTensorPolicyWorkerV2Impl:
@@ -246,7 +269,7 @@ class DTensorPolicyWorkerV2Impl:
             if not eval_mode:
                 _step(self)
             losses.append(sum(mb_losses))
-        return _metrics(all_mb_metrics, losses)
+        return aggregate_training_statistics(losses, all_mb_metrics, None, self.dp_mesh.get_group(), None)
 
     def get_logprobs(self, data, micro_batch_size=None):
         iterator, _ = get_microbatch_iterator(data, self.cfg, self.cfg["logprob_batch_size"], self.dp_mesh,

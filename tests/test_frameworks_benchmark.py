@@ -113,7 +113,7 @@ def test_nemo_rl_runs_the_newest_tag_that_has_a_venv(fake_checkout, monkeypatch)
         _fake_venv(fake_checkout, f"cpu-nemo_rl-{interpreters.nox_dir(tag)}", {})
     pool, (chosen, origin) = _choose("nemo_rl", fake_checkout, tags=tags)
     assert [c.tag for c in pool] == ["main", "v0.6.0", "v0.5.0"]  # v0.7.0 has no venv
-    assert chosen.tag == "v0.6.0" and origin == "compat venv compat/.nox/cpu-nemo_rl-v0-6-0"  # main: untried
+    assert chosen.tag == "main" and origin == "compat venv compat/.nox/cpu-nemo_rl-main"  # the newest tag with a venv
     _, (chosen, _) = _choose("nemo_rl", fake_checkout, {"nemo_rl": "/x/python"}, tags=tags, tag="v0.7.0")
     assert (chosen.tag, chosen.python, chosen.origin) == ("v0.7.0", "/x/python", "--python, tag v0.7.0")
     monkeypatch.delenv("NEMO_RL_SRC", raising=False)
@@ -127,7 +127,7 @@ def test_help_shows_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for default in ("(default: 5, the README's run)", "(default: 1800)", "(default: benchmarks/results)",
                     f"(default: {workload.SPEC['steps']})", "(default: $NEMO_RL_TAG, else the newest tag",
-                    "(default: all three;", "(default: $GRPO_BENCH_PYTHON_<NAME>, else the newest supported"):
+                    "(default: all of them: trl, verl (legacy line), verl_v1 (main_ppo), nemo_rl;", "(default: $GRPO_BENCH_PYTHON_<NAME>, else the newest supported"):
         assert default in text, default
     assert "3 rounds" not in frameworks.__doc__
 

@@ -25,8 +25,8 @@ def _rollouts(rows: int = 8) -> list[dict]:
 
 
 def _run(tag: str, options: dict | None, *, loss: dict | None = None, grpo: dict | None = None,
-         policy: dict | None = None, rows: int = 8):
-    """setup + grpo_train; returns (policy, logger, final weights)."""
+         policy: dict | None = None, rows: int = 8, adjust=None):
+    """setup + grpo_train; returns (policy, logger, final weights). ``adjust(policy)`` runs in between."""
     from nemo_rl.algorithms import grpo as grpo_module
     from nemo_rl.models.tiny import TinyLM
     from nemo_rl.utils.logger import Logger
@@ -35,6 +35,8 @@ def _run(tag: str, options: dict | None, *, loss: dict | None = None, grpo: dict
         grpo_patches.enable("nemo_rl", **options)
     config = master_config(tag, loss=loss, grpo=grpo, policy={"model_factory": TinyLM, **(policy or {})})
     policy_obj, _, _, _, _, loss_fn, *_ = grpo_module.setup(config, None, None, None)
+    if adjust is not None:
+        adjust(policy_obj)
     logger = Logger()
     grpo_module.grpo_train(policy_obj, None, _rollouts(rows), None, None, loss_fn, None, None, logger, None, None,
                            config)
@@ -63,6 +65,42 @@ def test_prev_pass_skipped_when_on_policy(fake_nemo, tag, record_property):
     assert metrics1["token_mult_prob_error"] == pytest.approx(metrics0["token_mult_prob_error"], rel=1e-5)
     assert not set(PLACEHOLDER_METRICS) & set(metrics1)  # never logged as if real
     assert all("prev_logprobs" not in row for row in log1.jsonl) and log1.plots == []
+    assert [m["grpo_patches/old_logprob_passes_skipped"] for _, m in log1.metrics] == [1.0] * STEPS  # NeMo-RL logs it
+
+
+def _overriding_train(policy) -> None:
+    class WithOwnTrain(type(policy)):
+        def train(self, *args, **kwargs):
+            return super().train(*args, **kwargs)
+
+    policy.__class__ = WithOwnTrain
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_prev_pass_runs_for_a_policy_that_overrides_train(fake_nemo, tag):
+    """The skip is exact only through the patched ``Policy.train`` (it puts the loss on its
+    on-policy path): a subclass's own ``train`` might not call it, so the pass runs."""
+    (_, _, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {"zero_advantage_filter": False},
+                                                       adjust=_overriding_train)
+    assert policy1.calls["get_logprobs"] == STEPS and rel(w1, w0) <= TOL
+    assert "WithOwnTrain.train overrides Policy.train" in report["notes"]["prev_logprobs"]
+    assert "old_logprob_passes_skipped" not in report["savings"]
+
+
+@pytest.mark.parametrize("tag", ["v0.6.0", "main"])
+def test_a_skipped_batch_trained_by_another_policy_is_an_error(fake_nemo, tag):
+    """The zero placeholder must never reach a loss: another Policy's train call cannot be put on
+    the on-policy path for this step."""
+    import copy
+
+    from grpo_patches.errors import GrpoPatchesError
+
+    def other_trains(policy) -> None:
+        policy.train = copy.copy(policy).train
+
+    fake_nemo(tag)
+    with pytest.raises(GrpoPatchesError, match="zero placeholder"):
+        _run(tag, {"zero_advantage_filter": False}, adjust=other_trains)
 
 
 @pytest.mark.parametrize("tag", TAGS)
@@ -76,9 +114,10 @@ def test_prev_pass_runs_when_something_else_reads_it(fake_nemo, tag):
 
 @pytest.mark.parametrize("tag", TAGS)
 def test_two_optimizer_steps_per_rollout_keep_the_pass(fake_nemo, tag):
-    (_, _, w0), (policy1, _, w1), report = _compare(tag, fake_nemo, {}, policy={"train_global_batch_size": 4})
+    (_, _, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {}, policy={"train_global_batch_size": 4})
     assert policy1.calls["get_logprobs"] == STEPS and rel(w1, w0) <= TOL  # the filter regroups rows: rounding
     assert "make 2 optimizer steps" in report["notes"]["prev_logprobs"]
+    assert [m["grpo_patches/old_logprob_passes_skipped"] for _, m in log1.metrics] == [0.0] * STEPS
 
 
 @pytest.mark.parametrize("tag", TAGS)

@@ -91,3 +91,33 @@ def test_v050_filter_acts_only_inside_the_v2_workers_train(fake_nemo):
         return list(batch.make_microbatch_iterator(4))
 
     assert sum(mb.size for mb in train(worker, loss_fn, batch)) == 12
+
+
+@pytest.mark.parametrize("tag", NEW)
+def test_a_train_call_that_raised_leaves_no_filter_behind(fake_nemo, tag):
+    """The worker's train call is found from inside it (Ray ships its methods frozen, so nothing
+    wraps the whole call): one that raised never ended, yet a later ``get_logprobs`` sees every row."""
+    import grpo_patches
+    from grpo_patches.adapters.nemo_rl.state import ACTIVE_TRAIN
+    from tests.nemo_worker_harness import batched, make_batch, make_loss
+
+    fake_nemo(tag)
+    grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
+    try:
+        worker = fake_worker(tag, 12, 4)
+        forward = worker.model.forward
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("out of memory")
+
+        worker.model.forward = out_of_memory
+        with pytest.raises(RuntimeError, match="out of memory"):
+            worker.train(batched(make_batch()), make_loss(tag))
+        assert ACTIVE_TRAIN.get() is not None and ACTIVE_TRAIN.get().filter_on  # left behind by the failed call
+        worker.model.forward = forward
+        rows = []
+        worker.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                               with_kwargs=True)
+        assert worker.get_logprobs(batched(make_batch()))["logprobs"].shape[0] == 12 and sum(rows) == 12
+    finally:
+        grpo_patches.disable("nemo_rl")

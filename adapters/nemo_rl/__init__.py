@@ -26,7 +26,10 @@ Workers:
 
 - ``ClippedPGLossFn.__call__`` (one record per tag line, always): prev log-probs of a skipped
   pass, honest metrics under the filter (:mod:`.loss_call`).
-- ``DTensorPolicyWorkerV2Impl.train`` (V06+, always): per-call decisions (:mod:`.worker_train`).
+- ``process_global_batch`` and ``aggregate_training_statistics`` of the worker module (V06+,
+  always): per-call decisions (:mod:`.worker_train`; not ``DTensorPolicyWorkerV2Impl.train``:
+  Ray copies the worker's methods into the actor class it ships, so only the module names they
+  call are looked up again in the actor — these records pickle by reference).
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
   (V06+, ``zero_advantage_filter``): :mod:`.filter`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
@@ -78,20 +81,26 @@ PATCHES = (
     PatchTarget(LOSS_V05, "ClippedPGLossFn.__call__", f"{_H}.loss_call:call_v050", versions=V05),
     PatchTarget(LOSS, "ClippedPGLossFn.__call__", f"{_H}.loss_call:call_v060", versions=V06),
     PatchTarget(LOSS, "ClippedPGLossFn.__call__", f"{_H}.loss_call:call_v070", versions=V07_UP),
-    PatchTarget(WORKER, "DTensorPolicyWorkerV2Impl.train", f"{_H}.worker_train:train_wrapper", versions=V06_UP),
+    # v0.6.0+ worker module names (Ray ships the worker's methods by value; they look these up again)
+    PatchTarget(WORKER, "process_global_batch", f"{_H}.worker_train:process_global_batch_wrapper", versions=V06_UP,
+                pickle_by_reference=True),
+    PatchTarget(WORKER, "aggregate_training_statistics", f"{_H}.worker_train:aggregate_wrapper", versions=V06_UP,
+                pickle_by_reference=True),
     PatchTarget(WORKER, "get_microbatch_iterator", f"{_H}.filter:microbatch_iterator_wrapper", versions=V06_UP,
-                option=FILTER),
+                option=FILTER, pickle_by_reference=True),
     PatchTarget(BATCH, "BatchedDataDict.make_microbatch_iterator", f"{_H}.filter_v050:microbatch_iterator_wrapper",
                 versions=V05, option=FILTER),
     PatchTarget(BATCH, "BatchedDataDict.make_microbatch_iterator_with_dynamic_shapes",
                 f"{_H}.filter_v050:dynamic_iterator_wrapper", versions=V05, option=FILTER),
-    PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.tiled:forward_wrapper", versions=V06_UP, option=TILED),
-    PatchTarget(TRAIN, "apply_temperature_scaling", f"{_H}.tiled:temperature_wrapper", versions=V06_UP, option=TILED),
+    PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.tiled:forward_wrapper", versions=V06_UP, option=TILED,
+                pickle_by_reference=True),
+    PatchTarget(TRAIN, "apply_temperature_scaling", f"{_H}.tiled:temperature_wrapper", versions=V06_UP, option=TILED,
+                pickle_by_reference=True),
     PatchTarget(TRAIN, "LossPostProcessor.__call__", f"{_H}.tiled:loss_post_processor_wrapper", versions=V06_UP,
                 option=TILED),
     # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
     PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter:metrics_only_forward_wrapper",
-                versions=V06_UP, option=FILTER),
+                versions=V06_UP, option=FILTER, pickle_by_reference=True),
     # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from types import FrameType
 from typing import Any, Callable
 
 from grpo_patches.caller_frame import unwrap
@@ -47,3 +48,19 @@ def zero_logprobs(data: Any) -> Any:
     import torch
 
     return torch.zeros(tuple(data["input_ids"].shape), dtype=torch.float32)
+
+
+#: The DTensor policy worker v2's source file (every tag): its ``train`` frame is found by it.
+WORKER_FILE = "dtensor_policy_worker_v2.py"
+
+
+def worker_train_frame(frame: FrameType | None) -> FrameType | None:
+    """The DTensor worker's ``train`` frame when it is ``frame`` (a wrapper's caller) or just above."""
+    for _ in range(4):  # the patching layer's call-site trampoline and wrapt's pure-Python fallback add frames
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "train" and code.co_filename.endswith(WORKER_FILE):
+            return frame
+        frame = frame.f_back
+    return None

@@ -26,12 +26,12 @@ from grpo_patches.caller_frame import unwrap
 from .calls import arguments
 from .filter_rows import plan
 from .settings import setting
-from .state import ACTIVE_TRAIN, COUNTERS, FRAMEWORK, METRIC_PREFIX, PREV_IS_CURRENT
+from .state import COUNTERS, FRAMEWORK, METRIC_PREFIX, PREV_IS_CURRENT, active_train
 
 
 def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``get_microbatch_iterator(data, cfg, mbs, dp_mesh, tokenizer, cp_size=1)``."""
-    train = ACTIVE_TRAIN.get()
+    train = active_train()
     if train is None or not train.filter_on:
         return wrapped(*args, **kwargs)
     call = arguments(wrapped, args, kwargs)
@@ -55,7 +55,7 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
 def metrics_only_forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``forward_with_post_processing_fn(model, post_processing_fn, processed_mb, ...)``: a
     metrics-only micro-batch runs without autograd and returns a zero loss with no graph."""
-    train = ACTIVE_TRAIN.get()
+    train = active_train()
     own = train.current if train is not None else None
     if own is None or not own.metrics_only:
         return wrapped(*args, **kwargs)

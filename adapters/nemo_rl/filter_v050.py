@@ -25,27 +25,14 @@ from typing import Any, Callable
 from grpo_patches import api, savings
 from grpo_patches.errors import IncompatibleOptionsError
 
+from .calls import worker_train_frame
 from .filter_rows import decide, plan
 from .state import COUNTERS, CURRENT_V050, FRAMEWORK
-
-WORKER_FILE = "dtensor_policy_worker_v2.py"
-
-
-def _train_frame(frame: FrameType | None) -> FrameType | None:
-    """The v2 worker's ``train`` frame when it is ``frame`` (the wrapper's caller) or just above."""
-    for _ in range(3):  # the patching layer's call-site trampoline and wrapt's pure-Python fallback add frames
-        if frame is None:
-            return None
-        code = frame.f_code
-        if code.co_name == "train" and code.co_filename.endswith(WORKER_FILE):
-            return frame
-        frame = frame.f_back
-    return None
 
 
 def _filtered(wrapped: Callable[..., Any], batch: Any, args: tuple, kwargs: dict, dynamic: bool,
               caller: FrameType | None) -> Any:
-    frame = _train_frame(caller)
+    frame = worker_train_frame(caller)
     if frame is None:
         return wrapped(*args, **kwargs)
     local = frame.f_locals

@@ -25,7 +25,6 @@ from grpo_patches import api
 from . import kept_metrics
 from .calls import arguments
 from .state import (
-    ACTIVE_TRAIN,
     COUNTERS,
     CURRENT_V050,
     FRAMEWORK,
@@ -33,11 +32,12 @@ from .state import (
     PREV_IS_CURRENT,
     PREV_MARKER,
     GlobalBatchFilter,
+    active_train,
 )
 
 
 def _current_plan() -> GlobalBatchFilter | None:
-    train = ACTIVE_TRAIN.get()
+    train = active_train()
     if train is not None:
         return train.current if train.filter_on else None
     return CURRENT_V050.get()
@@ -99,7 +99,7 @@ def _finish(wrapped: Callable[..., Any], instance: Any, call: dict[str, Any], su
         prev_real = not (getattr(instance, "force_on_policy_ratio", False) or getattr(instance, PREV_IS_CURRENT, False))
         metrics = kept_metrics.adjust(metrics, instance, plan, call["global_valid_seqs"], call["global_valid_toks"],
                                       prev_real, _dropped_share(wrapped, call) if share else None)
-    if ACTIVE_TRAIN.get() is None and not plan.counters_sent:  # v0.5.0: NeMo-RL divides by the global batches
+    if active_train() is None and not plan.counters_sent:  # v0.5.0: NeMo-RL divides by the global batches
         plan.counters_sent = True
         metrics = {**metrics, **{METRIC_PREFIX + name: float(getattr(plan, name)) * plan.global_batches
                                  for name in COUNTERS}}

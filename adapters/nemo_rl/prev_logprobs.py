@@ -16,7 +16,10 @@ from the only optimizer step that consumes the batch). Provably on-policy means:
   no ``grpo.seq_logprob_error_threshold``, no advantage estimator that uses them
   (Reinforce++ with ``use_kl_in_reward`` and a KL penalty, on-policy distillation);
 * the loss keeps its formula under the substitution: not ``disable_ppo_ratio`` / ``use_cispo``
-  (NeMo-RL's own on-policy path changes those losses' reported value).
+  (NeMo-RL's own on-policy path changes those losses' reported value);
+* the zero placeholder cannot reach a loss that reads it: the loss is ``ClippedPGLossFn`` and
+  the policy trains through ``Policy.train`` itself (the patched call that puts the loss on its
+  on-policy path; a subclass with its own ``train`` might not call it).
 
 How the step is skipped, per tag: v0.7.0+ wraps ``opd._skip_prev_logprobs`` (NeMo-RL's own
 predicate, read through the module by ``grpo_train``), so NeMo-RL's own skip path runs
@@ -28,9 +31,11 @@ never logged as if real (:mod:`.honest_logs`).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from grpo_patches import api
+from grpo_patches.patching import overriding_class
 from grpo_patches.plugins import hook
 
 from .calls import arguments, zero_logprobs
@@ -56,8 +61,22 @@ def _needed_elsewhere(loop: LoopState) -> list[str]:
 
 
 def _inexact(loop: LoopState) -> list[str]:
+    """Why the loss would not reproduce the pass from the detached current log-probs, or the zero
+    placeholder could reach a loss that reads it (the skip is exact only through the patched
+    ``Policy.train``, which puts ``ClippedPGLossFn`` on its on-policy path for the call)."""
     loss = loop.loss_fn
-    return [f"loss_fn.{name}" for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
+    problems = [f"loss_fn.{name} changes the loss on NeMo-RL's on-policy path"
+                for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
+    if type(loss).__name__ != "ClippedPGLossFn":
+        problems.append(f"the loss is {type(loss).__name__}, not ClippedPGLossFn (no known on-policy path)")
+    policy_module = sys.modules.get("nemo_rl.models.policy.lm_policy")
+    policy_class = getattr(policy_module, "Policy", None)
+    if isinstance(policy_class, type) and isinstance(loop.policy, policy_class):
+        owner = overriding_class(type(loop.policy), policy_class, "train")
+        if owner is not None:
+            problems.append(f"{owner.__name__}.train overrides Policy.train (the call that puts the loss on its "
+                            "on-policy path)")
+    return problems
 
 
 def train_batch_size(policy: Any, gbs: int | None = None) -> int:
@@ -73,7 +92,7 @@ def decide(loop: LoopState, rows: int | None = None) -> str | None:
     """
     inexact = _inexact(loop)
     if inexact:
-        return f"runs: {', '.join(inexact)} changes the loss on NeMo-RL's on-policy path"
+        return f"runs: {'; '.join(inexact)}"
     if rows is None:
         rows = int(setting(loop.config, "grpo.num_prompts_per_step", 0)) * int(
             setting(loop.config, "grpo.num_generations_per_prompt", 0))

@@ -4,7 +4,8 @@ Driver side: :class:`PolicyState` per ``Policy`` (``grpo_patches.instance_state`
 ``disable()``) and :class:`LoopState` for one ``grpo_train`` call. Worker side:
 :class:`TrainCall` for one ``DTensorPolicyWorkerV2.train`` call and :class:`GlobalBatchFilter`
 for each global batch the zero-advantage filter reshaped. Calls are found through context
-variables: they live exactly as long as the call.
+variables: a driver loop lives exactly as long as the call; a worker train call from its first
+global batch to its statistics (:func:`active_train`).
 
 One thing does cross from the driver to the workers on the loss object NeMo-RL pickles to
 them on every ``Policy.train`` call: :data:`PREV_IS_CURRENT`, a plain ``bool`` attribute (so
@@ -14,6 +15,7 @@ that a worker without grpo_patches can still unpickle the loss), set only for th
 from __future__ import annotations
 
 import contextvars
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,9 +126,11 @@ class GlobalBatchFilter:
 
 @dataclass
 class TrainCall:
-    """One ``DTensorPolicyWorkerV2.train`` call in a worker (v0.6.0+).
+    """One ``DTensorPolicyWorkerV2.train`` call in a worker (v0.6.0+), made at its first global
+    batch (:mod:`.worker_train`).
 
     :ivar worker: the worker; :ivar loss_fn: the loss object of the call.
+    :ivar frame_id, code: the ``train`` frame running the call (:func:`active_train`).
     :ivar filter_on: the zero-advantage filter reshapes this call's micro-batches.
     :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
     :ivar current: the filter's plan of the global batch being trained.
@@ -135,6 +139,8 @@ class TrainCall:
 
     worker: Any
     loss_fn: Any
+    frame_id: int = 0
+    code: Any = None
     filter_on: bool = False
     tiled_on: bool = False
     current: GlobalBatchFilter | None = None
@@ -143,7 +149,24 @@ class TrainCall:
     microbatches_dropped: int = 0
 
 
+#: The last train call begun on this thread (its end unsets it; :func:`active_train` checks it still runs).
 ACTIVE_TRAIN: contextvars.ContextVar[TrainCall | None] = contextvars.ContextVar("grpo_patches_nemo_train", default=None)
+
+
+def active_train() -> TrainCall | None:
+    """The worker ``train()`` call running on this thread's stack, if any (v0.6.0+).
+
+    A call that raised leaves :data:`ACTIVE_TRAIN` set; it counts only while its own ``train``
+    frame is on the stack, so ``get_logprobs`` and the like never see it."""
+    train = ACTIVE_TRAIN.get()
+    if train is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if id(frame) == train.frame_id and frame.f_code is train.code:
+            return train
+        frame = frame.f_back
+    return None
 #: v0.5.0 has no per-call hook point in the worker (see :mod:`.filter_v050`): the plan of the
 #: global batch being trained, replaced at each global batch.
 CURRENT_V050: contextvars.ContextVar[GlobalBatchFilter | None] = contextvars.ContextVar(

@@ -30,7 +30,7 @@ from grpo_patches.errors import IncompatibleOptionsError
 
 from .calls import arguments
 from .settings import loss_mode
-from .state import ACTIVE_TRAIN, FRAMEWORK, PREV_IS_CURRENT
+from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
 from .tiled_support import unsupported_loss_settings, unsupported_worker_settings
 
 
@@ -114,7 +114,7 @@ def forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     """``forward_with_post_processing_fn(model, post_processing_fn, processed_mb, ...)``."""
     import torch
 
-    train = ACTIVE_TRAIN.get()
+    train = active_train()
     if train is None or not train.tiled_on or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
     call = arguments(wrapped, args, kwargs)

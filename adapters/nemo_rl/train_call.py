@@ -10,6 +10,9 @@
   / v0.6 worker then also uses the detached current log-probs as ``prev_logprobs`` for the
   importance weights and metrics, which those versions read even under the force flag). Both
   are put back after the call; NeMo-RL pickles the loss to the workers on every call.
+* NeMo-RL's logged metrics get ``grpo_patches/old_logprob_passes_skipped`` (1 when this step's
+  pass was skipped, 0 when it ran; per step). A skip is exact only through this call: another
+  ``Policy`` training on the skipped step's batch (whose ``prev_logprobs`` are zeros) is an error.
 * The workers' own counters (``grpo_patches/*`` in ``all_mb_metrics``) stay in the metrics
   NeMo-RL logs; their running totals go to a note of this process's ``status()`` (the
   savings totals of each process count what that process saved). Metrics a v0.5 / v0.6 worker
@@ -22,6 +25,7 @@ import math
 from typing import Any, Callable
 
 from grpo_patches import api, savings
+from grpo_patches.errors import GrpoPatchesError
 
 from . import version
 from .calls import arguments
@@ -37,8 +41,9 @@ from .state import (
     policy_state,
 )
 
-#: Loss metrics ``grpo_train`` itself reads (``metrics["token_mult_prob_error"] > 1.05`` picks a plot).
-READ_BY_LOOP = ("token_mult_prob_error",)
+#: Loss metrics ``grpo_train`` itself reads (``metrics["token_mult_prob_error"] > 1.05`` picks a plot; it
+#: prints ``metrics['gen_kl_error']`` every step).
+READ_BY_LOOP = ("token_mult_prob_error", "gen_kl_error")
 #: Loss metrics computed from ``prev_logprobs`` (v0.5 / v0.6 read it even on the on-policy path).
 PREV_METRICS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
                 "sampling_importance_ratio", "is_oob_ratio")
@@ -120,6 +125,11 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     if loop is not None:
         loop.unlogged.clear()  # decided again for this step's metrics
     call = arguments(wrapped, args, kwargs)
+    if loop is not None and loop.prev == "skipped" and instance is not loop.policy and not call["eval_mode"]:
+        raise GrpoPatchesError(
+            "grpo_patches skipped this step's prev-logprob pass for the Policy passed to grpo_train, but another "
+            f"Policy ({type(instance).__name__}) trains on the batch: its prev_logprobs are a zero placeholder that its "
+            "loss would read. Pass logprob_skip=False to grpo_patches.enable(...) (GRPO_PATCHES_OPTIONS) for this loop")
     skipped = loop is not None and loop.prev == "skipped" and instance is loop.policy and not call["eval_mode"]
     saved = None
     loss_fn = call["loss_fn"]
@@ -138,4 +148,6 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         if saved is not None:
             _restore(loss_fn, saved)
     _collect(instance, result, skipped, loop)
+    if loop is not None and instance is loop.policy and isinstance(result, dict) and "all_mb_metrics" in result:
+        result["all_mb_metrics"][METRIC_PREFIX + "old_logprob_passes_skipped"] = [1.0 if skipped else 0.0]
     return result
