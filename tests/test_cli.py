@@ -16,7 +16,7 @@ import pytest
 import grpo_patches
 from grpo_patches.cli import format_status, main
 from grpo_patches.demo import DEFAULT_STEPS
-from tests.fakefw_site import make_site
+from tests.helpers.fakefw_site import make_site
 
 
 def _help(capsys, *argv: str) -> str:

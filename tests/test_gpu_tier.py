@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
-from tests.tiled_loss_helpers import trl_loss
+from tests.helpers.tiled_loss_helpers import trl_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="not run: no GPU")
 N, H, V = 4096, 2048, 151936

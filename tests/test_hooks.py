@@ -7,8 +7,7 @@ import pytest
 import grpo_patches
 from grpo_patches import hookspecs, savings
 from grpo_patches.plugins import hook
-from tests.fakefw_site import make_site
-from tests.test_patching import run_script
+from tests.helpers.fakefw_site import make_site, run_script
 
 
 def test_every_spec_is_prefixed_documented_and_has_a_default():

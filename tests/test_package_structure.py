@@ -161,3 +161,37 @@ def test_each_extra_states_its_adapters_supported_range(framework):
     assert pinned[0].specifier == SpecifierSet(adapter.supported), (
         f"extra {framework!r} says {adapter.distribution}{pinned[0].specifier}, the adapter supports {adapter.supported}"
     )
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports (absolute imports, at any depth of the file)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+#: Left to move into tests/helpers/ with the verl test harnesses (the test fails when one goes).
+KNOWN_TEST_IMPORTS = {"tests/test_verl_megatron.py": ["tests.test_verl_logprob_passes"]}
+
+
+def test_test_modules_never_import_each_other():
+    """What two test modules share lives in ``tests/helpers/`` (collecting one test module must
+    not run another's module-level code, nor tie their fixtures and caches together)."""
+    offenders = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        imported = sorted(m for m in _imported_modules(path)
+                          if any(part.startswith("test_") for part in m.split(".")[1:]) and m.startswith("tests."))
+        if imported:
+            offenders[str(path.relative_to(ROOT))] = imported
+    assert offenders == KNOWN_TEST_IMPORTS
+
+
+def test_the_checker_sees_a_test_module_import(tmp_path):
+    sample = tmp_path / "test_x.py"
+    sample.write_text("def f():\n    from tests.test_trl_filter import run\n")
+    assert "tests.test_trl_filter" in _imported_modules(sample)

@@ -14,8 +14,7 @@ import pytest
 
 import grpo_patches
 from grpo_patches import instance_state
-from tests.fakefw_site import make_site
-from tests.test_patching import run_script
+from tests.helpers.fakefw_site import make_site, run_script
 
 
 @pytest.fixture(scope="module")

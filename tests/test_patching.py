@@ -5,32 +5,16 @@ Import orders run in subprocesses (fresh interpreters), like ddtrace's patch tes
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 
 import grpo_patches
 from grpo_patches import api
 from grpo_patches.errors import OptionError, UnknownFrameworkError, UnsupportedFrameworkError
-from tests.fakefw_site import make_site
+from tests.helpers.fakefw_site import make_site, run_script
 
 ATTRS = ["step", "static", "klass"]
-
-
-def run_script(site, code: str, env: dict | None = None) -> dict:
-    """Run ``code`` in a fresh interpreter with the fake site on the path; it prints JSON."""
-    full_env = {**os.environ, "PYTHONPATH": str(site), **(env or {})}
-    if not env or "GRPO_PATCHES" not in env:
-        full_env.pop("GRPO_PATCHES", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    return {"out": json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
 
 
 # Snippets composed into import/patch/unpatch orders.

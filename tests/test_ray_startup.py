@@ -4,7 +4,7 @@ A real local Ray cluster; the actors run in a bare venv (ray, wrapt, packaging o
 NeMo-RL worker venv, which lacks pluggy and loses anything ``uv sync`` did not install). The
 driver's environment is handed to them the way NeMo-RL does (``ray.init(runtime_env={"env_vars":
 dict(os.environ)})``), plus its initializer-actor pattern (an actor with only ``PYTHONPATH``
-that creates the worker). The framework is the test-only ``fakefw`` (:mod:`tests.fakefw_site`).
+that creates the worker). The framework is the test-only ``fakefw`` (:mod:`tests.helpers.fakefw_site`).
 
 Runs in the compat session ``ray-startup`` (tag ``ci``), which makes the bare venv and names
 it in ``GRPO_PATCHES_RAY_WORKER_PYTHON``; skipped elsewhere.
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from grpo_patches import startup_path
-from tests.fakefw_site import make_site
+from tests.helpers.fakefw_site import make_site
 
 ray = pytest.importorskip("ray", reason="not run: needs ray (the compat session ray-startup runs it)")
 WORKER_PYTHON = os.environ.get("GRPO_PATCHES_RAY_WORKER_PYTHON")

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 import grpo_patches
-from tests.fakefw_site import make_site
-from tests.test_patching import run_script
+from tests.helpers.fakefw_site import make_site, run_script
 
 PATCHED = """
 import json, sys

@@ -19,7 +19,7 @@ import pytest
 
 from grpo_patches import startup_path
 from grpo_patches.cli import main
-from tests.fakefw_site import make_site
+from tests.helpers.fakefw_site import make_site
 
 REPORT = r"""
 import importlib.util, json, os, sys

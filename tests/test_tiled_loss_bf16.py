@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo_patches.tiled_loss import dense_grpo_loss, gemm, tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import make_case, max_rel, run, trl_loss
+from tests.helpers.tiled_loss_helpers import make_case, max_rel, run, trl_loss
 
 OPTIONS = trl_loss("dapo", temperature=0.9, tile_size=64)
 

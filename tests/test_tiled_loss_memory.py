@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
-from tests.tiled_loss_helpers import make_case, max_rel, run, trl_loss
+from tests.helpers.tiled_loss_helpers import make_case, max_rel, run, trl_loss
 
 #: bf16/fp16 inputs: the tiled GEMMs give fp32 results (gemm.py), so the tiled loss, log-probs and
 #: entropy are the fp32 answer for the rounded inputs (<= 2e-6) and its gradients that answer rounded

@@ -12,7 +12,7 @@ import torch
 
 from grpo_patches.errors import OptionError
 from grpo_patches.tiled_loss import AGGREGATIONS, dense_grpo_loss, tiled_grpo_loss
-from tests.tiled_loss_helpers import assert_close, make_case, max_rel, run, trl_loss
+from tests.helpers.tiled_loss_helpers import assert_close, make_case, max_rel, run, trl_loss
 
 DTYPE_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 

@@ -12,7 +12,7 @@ import torch
 
 from grpo_patches.errors import OptionError
 from grpo_patches.tiled_loss import tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import compare, make_case, max_rel, trl_loss
+from tests.helpers.tiled_loss_helpers import compare, make_case, max_rel, trl_loss
 
 #: (logit_scale, logit_softcap): make_case's logits have std ~1.6, so a cap of 1.5 bends most of them
 TRANSFORMS = {

@@ -17,7 +17,7 @@ import torch
 
 from grpo_patches.adapters.trl.lm_head_loss_options import loss_options
 from grpo_patches.tiled_loss import tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import make_case, max_rel
+from tests.helpers.tiled_loss_helpers import make_case, max_rel
 
 
 def _supported_trl() -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from grpo_patches.errors import OptionError
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss, tiled_token_stats
-from tests.tiled_loss_helpers import make_case, max_rel, run, trl_loss
+from tests.helpers.tiled_loss_helpers import make_case, max_rel, run, trl_loss
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -20,127 +20,16 @@ work saved against rows counted beneath the patches (``count_forwards``).
 
 from __future__ import annotations
 
-import functools
-import math
-
 import pytest
 
 pytest.importorskip("trl")
 
-from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
 
-from tests.trl_harness import require_loss_type, train  # noqa: E402
-
-ONLY_FILTER = dict(recompute=False, logprob_skip=False, tiled_loss=False)
-COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd",
-              count_forwards=True)
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-#: Metrics the dropped rows cannot change: same name, same value with the default options.
-EXACT_METRICS = (
-    "loss",
-    "grad_norm",
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "clip_ratio/low_min",
-    "clip_ratio/high_max",
-    "cispo_clip_ratio",
+from tests.helpers.trl_harness import require_loss_type, train  # noqa: E402
+from tests.helpers.trl_runs import (  # noqa: E402
+    EXACT_METRICS, FORWARD_METRICS, LOSS_TYPES, ONLY_FILTER, assert_close_or_none, assert_same_metrics, run,
 )
-#: Metrics computed from the dropped rows' forward: logged as <name>/kept_rows by default.
-FORWARD_METRICS = ("entropy", "vespo/phi_seq_mean")
-METRICS = (*EXACT_METRICS, *FORWARD_METRICS, "kl")
-
-
-class KeptRowsSpy:
-    """On an unpatched trainer, records every training loss call's advantages, mask, TRL's
-    entropies and VESPO weights, to compute the kept-rows metrics independently."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-
-    def attach(self, trainer) -> None:
-        import torch
-
-        klass = type(trainer)
-
-        def compute_loss(model, inputs):
-            record = {"advantages": inputs["advantages"], "mask": inputs["completion_mask"],
-                      "step": trainer.state.global_step}
-            self.calls.append(record)
-
-            def logps_and_entropies(*args, **kwargs):
-                out = klass._get_per_token_logps_and_entropies(trainer, *args, **kwargs)
-                if torch.is_grad_enabled():
-                    record["entropy"] = out[1].detach()
-                return out
-
-            def gamma_weights(*args, **kwargs):
-                record["phi"] = klass.get_gamma_weights(*args, **kwargs)
-                return record["phi"]
-
-            trainer._get_per_token_logps_and_entropies = logps_and_entropies
-            trainer.get_gamma_weights = gamma_weights
-            try:
-                return klass._compute_loss(trainer, model, inputs)
-            finally:
-                del trainer._get_per_token_logps_and_entropies, trainer.get_gamma_weights
-
-        trainer._compute_loss = compute_loss
-
-    def _per_step(self, value, total: bool = False) -> list:
-        """TRL's logging (logging_steps=1): per optimizer step, the mean of its micro-steps'
-        values, NaN skipped (``total``: the sum, for counts)."""
-        out = []
-        for step in sorted({call["step"] for call in self.calls}):
-            values = [value(call) for call in self.calls if call["step"] == step]
-            values = [v for v in values if not math.isnan(v)]
-            out.append((sum(values) if total else sum(values) / len(values)) if values else None)
-        return out
-
-    def kept_rows(self, name: str) -> list:
-        def value(call):
-            real = (call["advantages"] != 0).nonzero().flatten()
-            if name == "entropy":
-                mask = call["mask"][real].float()
-                count = float(mask.sum())
-                return float((call["entropy"][real] * mask).sum()) / count if count else math.nan
-            return float(call["phi"][real].mean()) if real.numel() else math.nan
-
-        return self._per_step(value)
-
-    def rows_dropped(self) -> list:
-        def value(call):
-            rows, real = call["advantages"].numel(), int((call["advantages"] != 0).sum())
-            return float(rows - max(real, 1))  # the filter keeps >= 1 row
-
-        return self._per_step(value, total=True)
-
-
-@functools.lru_cache(maxsize=None)
-def run(patched: bool, filter_value: object = True, dropped_rows_metrics: bool = False, **config: object):
-    if patched:
-        options = dict(ONLY_FILTER, zero_advantage_filter=filter_value, dropped_rows_metrics=dropped_rows_metrics)
-        return train(True, options, **COMMON, **config)
-    spy = KeptRowsSpy()
-    result = train(False, None, trainer_hook=spy.attach, **COMMON, **config)
-    result.extra["spy"] = spy
-    return result
-
-
-def assert_same_metrics(ref, got, rel: float = 1e-5, names=METRICS) -> None:
-    for name in names:
-        expected, actual = ref.metrics(name), got.metrics(name)
-        assert len(expected) == len(actual), name
-        for e, a in zip(expected, actual):
-            assert math.isclose(e, a, rel_tol=rel, abs_tol=1e-7), (name, expected, actual)
-
-
-def assert_close_or_none(expected: list, actual: list) -> None:
-    """``expected`` per step, None for a step without kept rows: that step logs no value."""
-    present = [e for e in expected if e is not None]
-    assert len(present) == len(actual) and all(not math.isnan(a) for a in actual)
-    assert all(math.isclose(e, a, rel_tol=1e-5) for e, a in zip(present, actual))
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

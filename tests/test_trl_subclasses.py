@@ -20,8 +20,8 @@ from packaging.version import Version  # noqa: E402
 
 from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
-from tests.test_trl_filter import EXACT_METRICS, assert_same_metrics  # noqa: E402
-from tests.trl_harness import train  # noqa: E402
+from tests.helpers.trl_runs import EXACT_METRICS, assert_same_metrics, gmpo_class  # noqa: E402
+from tests.helpers.trl_harness import train  # noqa: E402
 
 COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd",
               count_forwards=True)
@@ -29,14 +29,7 @@ ONLY_FILTER = dict(recompute=False, logprob_skip=False, tiled_loss=False, zero_a
 GRPO_CLASS = "trl.trainer.grpo_trainer.GRPOTrainer"
 
 
-def _gmpo():
-    import trl
-
-    if Version(trl.__version__) < Version("1.7"):
-        pytest.skip(f"TRL {trl.__version__} has no GMPOTrainer")
-    from trl.experimental.gmpo import GMPOTrainer
-
-    return GMPOTrainer
+_gmpo = gmpo_class
 
 
 def _user_classes() -> dict[str, type]:

@@ -1,7 +1,7 @@
 """Tiled lm-head loss in TRL's GRPOTrainer: the loss from hidden states, TRL's result.
 
 Besides the loss types: models whose loss path is not plain ``lm_head(hidden)`` (Gemma-2's
-logit softcap, Cohere-2's logit scale, a MoE router aux loss; :mod:`tests.tiny_variants`) and
+logit softcap, Cohere-2's logit scale, a MoE router aux loss; :mod:`tests.helpers.tiny_variants`) and
 TRL's high-entropy token mask (``top_entropy_quantile < 1``), all against TRL's own path.
 
 Runs the tiny model for 3 SGD steps with ``tiled_loss=True`` (recompute / logprob_skip /
@@ -25,21 +25,10 @@ from packaging.version import Version  # noqa: E402
 
 from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError, UnsupportedFrameworkError  # noqa: E402
-from tests.test_trl_filter import EXACT_METRICS, assert_close_or_none, assert_same_metrics  # noqa: E402
-from tests.test_trl_filter import run as upstream_or_filter_run  # noqa: E402
-from tests import tiny_variants  # noqa: E402
-from tests.trl_harness import require_loss_type, train  # noqa: E402
-
-def _tiled_supported() -> bool:
-    import trl
-
-    from grpo_patches.adapters.trl import ADAPTER
-
-    return any(t.option == "tiled_loss" for t in ADAPTER.targets(Version(trl.__version__)))
-
-
-#: Training tests need a TRL whose loss normalisers the tiled adapter reproduces.
-needs_tiled = pytest.mark.skipif(not _tiled_supported(), reason="tiled-loss adapter supports TRL 1.16 only")
+from tests.helpers.trl_runs import EXACT_METRICS, assert_close_or_none, assert_same_metrics, needs_tiled  # noqa: E402
+from tests.helpers.trl_runs import run as upstream_or_filter_run  # noqa: E402
+from tests.helpers import tiny_variants  # noqa: E402
+from tests.helpers.trl_harness import require_loss_type, train  # noqa: E402
 
 BASE = dict(recompute=False, logprob_skip=False, zero_advantage_filter=False)
 COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")

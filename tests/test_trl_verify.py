@@ -1,6 +1,6 @@
 """Verify mode in TRL's GRPOTrainer: ``trainer.train()`` with ``verify_every`` on the tiny model.
 
-Every run is the harness's (:mod:`tests.trl_harness`): TRL's real entry point, 8 prompts x 4
+Every run is the harness's (:mod:`tests.helpers.trl_harness`): TRL's real entry point, 8 prompts x 4
 generations, GA=3 and steps_per_generation=2 (the recompute decision skips TRL's pass for
 every other rollout, the filter defers it for the others), half the prompts with exactly zero
 advantages, SGD in fp32 (``bf16=False``).
@@ -35,12 +35,13 @@ pytest.importorskip("trl")
 import torch  # noqa: E402
 
 import grpo_patches  # noqa: E402
-from grpo_patches import tiny_model, verify_log  # noqa: E402
+from grpo_patches import verify_log  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, PlaceholderError  # noqa: E402
-from grpo_patches.zero_advantage import ZeroAdvantageFilter, filter_zero_advantage  # noqa: E402
-from tests.test_trl_filter import run as filter_test_run  # noqa: E402
-from tests.test_trl_tiled import needs_tiled  # noqa: E402
-from tests.trl_harness import train  # noqa: E402
+from tests.helpers.faulty_plugins import DropsANonZeroRow  # noqa: E402
+from tests.helpers.trl_runs import gmpo_class, needs_tiled  # noqa: E402
+from tests.helpers.trl_runs import run as filter_test_run  # noqa: E402
+from tests.helpers.trl_harness import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -111,29 +112,6 @@ def same(a, b) -> bool:
     if hasattr(a, "shape"):  # numpy
         return bool((a == b).all())
     return a == b
-
-
-class DropsANonZeroRow:
-    """A faulty ``grpo_filter_zero_advantage``: the default plan minus one row whose advantage is
-    not zero (only for ``denominator`` in ``only``, when given; else the default answers)."""
-
-    def __init__(self, only: tuple[str, ...] | None = None) -> None:
-        self.only, self.calls = only, 0
-
-    @grpo_patches.hookimpl
-    def grpo_filter_zero_advantage(self, advantages, mask, denominator, group):
-        if self.only is not None and denominator not in self.only:
-            return None
-        plan = filter_zero_advantage(advantages, mask, denominator, group=group)
-        real = torch.nonzero(plan.weights != 0).flatten()
-        if real.numel() < 2:
-            return plan
-        self.calls += 1
-        kept = torch.ones(plan.keep.numel(), dtype=torch.bool)
-        kept[real[0]] = False
-        dropped = plan.keep[real[0]]
-        return ZeroAdvantageFilter(plan.keep[kept], plan.weights[kept], plan.rows_dropped + 1,
-                                   plan.tokens_dropped + int(mask[dropped].sum()), plan.padding_rows, plan.scale)
 
 
 def verify_rows(result) -> list[dict]:
@@ -211,8 +189,6 @@ def test_a_skipped_pass_is_computed_and_compared():
 
 
 def _gmpo():
-    from tests.test_trl_subclasses import _gmpo as gmpo_class
-
     return gmpo_class()
 
 

@@ -36,10 +36,11 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from grpo_patches import tiny_model, verify_log
+    from grpo_patches import verify_log
+    from grpo_patches.demo import tiny_model
     from grpo_patches.errors import ExactnessError
-    from tests.test_trl_verify import DropsANonZeroRow
-    from tests.trl_harness import train
+    from tests.helpers.faulty_plugins import DropsANonZeroRow
+    from tests.helpers.trl_harness import train
 
     outcomes: dict = {}
     for scenario in ("correct", "fault"):
@@ -64,7 +65,7 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     tmp = tmp_path_factory.mktemp("verify_ddp")
     model = tiny_model.tiny_model_path(tmp / "model")  # built once, before the ranks start

@@ -20,7 +20,7 @@ import grpo_patches
 from grpo_patches import verify, verify_log
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, OptionError
 from grpo_patches.options import Options, parse_env_options
-from tests.fakefw_site import make_site
+from tests.helpers.fakefw_site import make_site
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo_patches.zero_advantage import filter_zero_advantage
-from tests.test_zero_advantage import CASES, TOL, loss_and_grads, make_batch, make_model, max_rel_diff
+from tests.helpers.zero_advantage_cases import CASES, TOL, loss_and_grads, make_batch, make_model, max_rel_diff
 
 WORLD = 2
 #: per scenario, the zero-advantage rows of rank 0 and rank 1 (6 rows each)

@@ -32,7 +32,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 #: The rollout name (``actor_rollout_ref.rollout.name``) the plugin registers.
 NAME = "grpo_e2e_stand_in"
-#: Completion tokens are word ids (after the 4 special tokens of grpo_patches.tiny_model).
+#: Completion tokens are word ids (after the 4 special tokens of grpo_patches.demo.tiny_model).
 FIRST_WORD_ID = 4
 
 

@@ -7,6 +7,10 @@ and ``GRPO_PATCHES=fakefw`` find it), and optionally a hook plugin entry point.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +24,10 @@ WORKER = '''
 
 def work(x):
     return x * 10
+
+
+def check(x):
+    return x
 '''
 
 TRAINER = '''
@@ -71,7 +79,7 @@ PATCHES = (
     PatchTarget(T, "SubTrainer.inherited", _tag),
     PatchTarget(T, "helper", _tag, option="tiled_loss"),
     PatchTarget(W, "work", "fakefw_adapter:_tag"),
-    PatchTarget(W, "work", "fakefw_adapter:_tag", option="verify_every"),  # fakefw "has" verify mode
+    PatchTarget(W, "check", "fakefw_adapter:_tag", option="verify_every"),  # fakefw "has" verify mode
 ) + ((PatchTarget(T, MISSING_ATTRIBUTE, _tag),) if MISSING_ATTRIBUTE else ())  # a target that moved upstream
 
 ADAPTER = Adapter(name="fakefw", distribution="fakefw", supported=">=1.0,<2", patches=PATCHES)
@@ -107,3 +115,15 @@ def make_site(root: Path, version: str = "1.2.0", plugin: bool = False, missing:
         entry_points += "\n[grpo_patches]\nfakefw_plugin = fakefw_plugin\n"
     (dist / "entry_points.txt").write_text(entry_points)
     return root
+
+
+def run_script(site, code: str, env: dict | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter with the fake site on the path; it prints JSON."""
+    full_env = {**os.environ, "PYTHONPATH": str(site), **(env or {})}
+    if not env or "GRPO_PATCHES" not in env:
+        full_env.pop("GRPO_PATCHES", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {"out": json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}

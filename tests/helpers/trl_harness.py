@@ -2,7 +2,7 @@
 
 Stable API (other test modules rely on it)::
 
-    from tests.trl_harness import train
+    from tests.helpers.trl_harness import train
     result = train(patched=True, options={"recompute": True}, steps=4, gradient_accumulation_steps=3)
     result.weights       # {name: tensor} copy of the final state_dict
     result.log_history   # trainer.state.log_history

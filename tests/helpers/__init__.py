@@ -1,0 +1,1 @@
+"""Harnesses and stand-ins shared by the test modules (test modules never import each other)."""
