@@ -35,6 +35,7 @@ from grpo_patches import api
 
 from . import metrics as verl_metrics
 from .decide import filter_mode
+from .multimodal import has_multimodal_inputs
 from .loss_modes import denominator, effective_agg_mode, line_of
 
 _PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
@@ -210,7 +211,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     kind = denominator(line_of(_version()), effective_agg_mode(instance.config))
     update = Update(instance, mode, kind)
     data, rebind = _bind_data(args, kwargs)
-    if "multi_modal_inputs" in data.non_tensor_batch.keys():
+    if has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
         return wrapped(*args, **kwargs)  # per-row object arrays: not tested, never filtered
     token = _ACTIVE.set(update)
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import tiled
+from .multimodal import has_multimodal_inputs
 
 #: ppo_loss's inputs, in the padded response layout it builds (``select(...).to_padded_tensor()``).
 _FIELDS = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob", "responses")
@@ -71,7 +72,7 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         return wrapped(*args, **kwargs)
     from verl.utils import tensordict_utils as tu
 
-    if "multi_modal_inputs" in micro.keys():
+    if has_multimodal_inputs(micro.get("multi_modal_inputs", None) if "multi_modal_inputs" in micro.keys() else None):
         tiled.decline(instance, "multimodal inputs (not tested with the tiled loss)")
         return wrapped(*args, **kwargs)
     full, rows = kept_rows_of(micro)  # dropped_rows_metrics: this forward holds some rows of ``full``

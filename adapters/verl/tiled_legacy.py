@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from . import metrics as verl_metrics
 from . import tiled
+from .multimodal import has_multimodal_inputs
 
 _UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_update", default=None)
 
@@ -48,7 +49,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     if not tiled.decide(instance, _problems(instance)):
         return wrapped(*args, **kwargs)
     data = args[0] if args else kwargs["data"]
-    if "multi_modal_inputs" in data.non_tensor_batch.keys():
+    if has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
         tiled.decline(instance, "multimodal inputs (not tested with the tiled loss)")
         return wrapped(*args, **kwargs)
     config = instance.config
