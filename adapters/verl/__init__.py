@@ -4,9 +4,9 @@
 the line whose internals it wraps. Records on one attribute stack in table order.
 
 - legacy actor (``verl.workers.actor.dp_actor``, ``verl.protocol``): the zero-advantage
-  filter (:mod:`.legacy_filter`).
+  filter (:mod:`.filter_legacy`).
 - engine (``verl.workers.engine.fsdp.transformer_impl``): the zero-advantage filter
-  (:mod:`.engine_filter`).
+  (:mod:`.filter_engine`).
 - Megatron engine (``verl.workers.engine.megatron.transformer_impl``): the same filter with
   Megatron's pipeline schedule and per-token loss (:mod:`.filter_megatron`), the reference
   placeholder and on-policy entropies, the tiled loss's note (:mod:`.tiled_megatron`).
@@ -74,17 +74,17 @@ PATCHES = (
     PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=ENGINE,
                 option="tiled_loss"),
     # zero-advantage filter
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.legacy_filter:update_policy",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.filter_legacy:update_policy",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.legacy_filter:forward_micro_batch",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.filter_legacy:forward_micro_batch",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget(DP_ACTOR, "prepare_dynamic_batch", f"{_HERE}.legacy_filter:prepare_dynamic_batch",
+    PatchTarget(DP_ACTOR, "prepare_dynamic_batch", f"{_HERE}.filter_legacy:prepare_dynamic_batch",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget("verl.protocol", "DataProto.split", f"{_HERE}.legacy_filter:split",
+    PatchTarget("verl.protocol", "DataProto.split", f"{_HERE}.filter_legacy:split",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.engine_filter:forward_backward_batch",
+    PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.filter_engine:forward_backward_batch",
                 versions=ENGINE, option="zero_advantage_filter"),
-    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.engine_nograd:forward_step",
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.filter_engine_nograd:forward_step",
                 versions=ENGINE, option="zero_advantage_filter"),  # outside the tiled loss's record
     # reference pass (and model) at KL coefficient 0
     *(PatchTarget(module, "need_reference_policy", f"{_HERE}.reference:need_reference_policy", versions=versions,

@@ -139,7 +139,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     log-probs (KL coefficient 0), verl's ``ppo_loss`` runs with the KL loss off."""
     import functools
 
-    from .engine_filter import _bind, actor_config_of
+    from .filter_engine import _bind, actor_config_of
 
     data, loss_function, forward_only = _bind(*args, **kwargs)
     config = actor_config_of(loss_function)

@@ -98,7 +98,7 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
     if update is None or update.actor is not instance or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
     micro, calculate_entropy = _bind(*args, **kwargs)
-    from .legacy_filter import kept_rows_of
+    from .filter_legacy import kept_rows_of
 
     full, rows = kept_rows_of(micro)  # dropped_rows_metrics: this forward holds some rows of ``full``
     config = instance.config

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import tiled
-from .engine_filter import _bind, actor_config_of
+from .filter_engine import _bind, actor_config_of
 
 
 def reason(engine: Any) -> str:

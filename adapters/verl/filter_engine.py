@@ -22,7 +22,7 @@ import functools
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from .decide import filter_mode
+from .filter import filter_mode
 from .loss_modes import effective_agg_mode
 
 #: ppo_loss metrics the filter provably leaves unchanged (``actor/pg_loss``: a SUM of global-
@@ -164,15 +164,15 @@ def _kept_rows_metrics(metrics: dict) -> None:
 
 def _nograd_update(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``dropped_rows_metrics=True``: verl's own micro-batches, each split into a no-grad and an
-    autograd forward by :mod:`.engine_nograd`; every metric stays verl's."""
-    from . import engine_nograd
+    autograd forward by :mod:`.filter_engine_nograd`; every metric stays verl's."""
+    from . import filter_engine_nograd
 
-    update = engine_nograd.NogradUpdate()
-    token = engine_nograd.activate(update)
+    update = filter_engine_nograd.NogradUpdate()
+    token = filter_engine_nograd.activate(update)
     try:
         output = wrapped(*args, **kwargs)
     finally:
-        engine_nograd.reset(token)
+        filter_engine_nograd.reset(token)
     counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0)
     verl_metrics.report(None, **counts)
     for name, value in counts.items():

@@ -1,6 +1,6 @@
 """``dropped_rows_metrics=True`` on verl's engine line (0.8+): dropped rows get a no-grad forward.
 
-verl's micro-batches stay as they are (:mod:`.engine_filter` hands verl the unfiltered
+verl's micro-batches stay as they are (:mod:`.filter_engine` hands verl the unfiltered
 mini-batch). ``FSDPEngineWithLMHead.forward_step`` (wrapped) runs each micro-batch as two
 forwards: the zero-advantage rows under ``torch.no_grad`` and the other rows with autograd,
 then merges both model outputs back into the micro-batch's row order and calls verl's own
@@ -74,7 +74,7 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
 
     from grpo_patches.plugins import hook
 
-    from .engine_filter import _SUBSET, CONFIG_ATTRIBUTE, _useful_rows, actor_config_of
+    from .filter_engine import _SUBSET, CONFIG_ATTRIBUTE, _useful_rows, actor_config_of
 
     adv, mask = _useful_rows(micro)
     rows = int(mask.shape[0])

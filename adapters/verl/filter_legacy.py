@@ -34,7 +34,7 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import metrics as verl_metrics
-from .decide import filter_mode
+from .filter import filter_mode
 from .loss_modes import denominator, effective_agg_mode, line_of
 
 _PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
