@@ -28,15 +28,12 @@ SOURCES = {"grpo_patches": ROOT / "grpo_patches", "grpo_patches.adapters": ROOT 
 #: component; an entry that no longer occurs fails too, so that this list only shrinks.
 KNOWN_CYCLES = {
     frozenset({"grpo_patches.adapters.verl.filter_engine", "grpo_patches.adapters.verl.filter_engine_nograd"}),
-    frozenset({"grpo_patches.adapters.verl.old_logprobs", "grpo_patches.adapters.verl.old_logprobs_engine"}),
 }
 #: Private names the verl adapter's modules import from each other (same wave, same rule):
 #: (importing module, imported module, name).
 KNOWN_PRIVATE_IMPORTS = {
     ("grpo_patches.adapters.verl.reference", "grpo_patches.adapters.verl.filter_engine", "_bind"),
     ("grpo_patches.adapters.verl.tiled_megatron", "grpo_patches.adapters.verl.filter_engine", "_bind"),
-    ("grpo_patches.adapters.verl.old_logprobs", "grpo_patches.adapters.verl.reference", "_get"),
-    ("grpo_patches.adapters.verl.old_logprobs_engine", "grpo_patches.adapters.verl.old_logprobs", "_gather"),
     ("grpo_patches.adapters.verl.filter_engine_nograd", "grpo_patches.adapters.verl.filter_engine", "_SUBSET"),
     ("grpo_patches.adapters.verl.filter_engine_nograd", "grpo_patches.adapters.verl.filter_engine", "_useful_rows"),
 }

@@ -111,9 +111,9 @@ PATCHES = (
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.old_logprobs_engine:get_policy_loss_fn",
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs:update_policy",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs_legacy:update_policy",
                 versions=OLD_SKIP, option="logprob_skip"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs:forward_micro_batch",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs_legacy:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
     # Megatron engine (0.8+): the filter innermost, then the reference placeholder, the on-policy
     # entropies (old_logprobs_engine's collector has forward_backward_batch's call shape) and the tiled note

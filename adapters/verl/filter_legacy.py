@@ -36,6 +36,7 @@ from grpo_patches import api
 from . import metrics as verl_metrics
 from .filter import filter_mode
 from .loss_modes import denominator, effective_agg_mode, line_of
+from .version import installed as verl_version
 
 _PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_update", default=None)
@@ -70,14 +71,6 @@ class SplitPlan:
     split_size: int
     sizes: list[int]
     consumed: bool = False
-
-
-def _version():
-    from importlib import metadata
-
-    from packaging.version import Version
-
-    return Version(metadata.version("verl"))
 
 
 def _world() -> int:
@@ -207,7 +200,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     mode = filter_mode(instance, instance.config)
     if mode is None:
         return wrapped(*args, **kwargs)
-    kind = denominator(line_of(_version()), effective_agg_mode(instance.config))
+    kind = denominator(line_of(verl_version()), effective_agg_mode(instance.config))
     update = Update(instance, mode, kind)
     data, rebind = _bind_data(args, kwargs)
     if "multi_modal_inputs" in data.non_tensor_batch.keys():

@@ -26,31 +26,23 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import metrics as verl_metrics
+from .config_value import config_value
 
 #: Legacy ``update_policy`` / engine ``ppo_loss`` metrics of the KL loss (not logged at coefficient 0).
 KL_METRICS = ("actor/kl_loss", "actor/kl_coef", "kl_loss", "kl_coef")
-
-
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        getter = getattr(node, "get", None)
-        node = getter(part, None) if getter is not None else getattr(node, part, None)
-    return default if node is None else node
 
 
 def kl_coefficients(config: Any) -> dict[str, float] | None:
     """Every coefficient that consumes reference log-probs, or ``None`` when one can change
     during training (an adaptive in-reward KL controller)."""
     coefficients: dict[str, float] = {}
-    if _get(config, "actor_rollout_ref.actor.use_kl_loss", False):
-        coefficients["actor_rollout_ref.actor.kl_loss_coef"] = float(_get(config, "actor_rollout_ref.actor.kl_loss_coef", 0.0))
-    if _get(config, "algorithm.use_kl_in_reward", False):
-        if _get(config, "algorithm.kl_ctrl.type", "fixed") != "fixed":
+    if config_value(config, "actor_rollout_ref.actor.use_kl_loss", False):
+        coefficient = config_value(config, "actor_rollout_ref.actor.kl_loss_coef", 0.0)
+        coefficients["actor_rollout_ref.actor.kl_loss_coef"] = float(coefficient)
+    if config_value(config, "algorithm.use_kl_in_reward", False):
+        if config_value(config, "algorithm.kl_ctrl.type", "fixed") != "fixed":
             return None
-        coefficients["algorithm.kl_ctrl.kl_coef"] = float(_get(config, "algorithm.kl_ctrl.kl_coef", 0.0))
+        coefficients["algorithm.kl_ctrl.kl_coef"] = float(config_value(config, "algorithm.kl_ctrl.kl_coef", 0.0))
     return coefficients
 
 
