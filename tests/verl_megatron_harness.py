@@ -34,10 +34,10 @@ def renormalising_filter(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     (the naive filter: every kept row's loss renormalised by the kept tokens)."""
     from verl.utils import tensordict_utils as tu
 
-    from grpo_patches.adapters.verl.filter_engine import _useful_rows
+    from grpo_patches.adapters.verl.engine_calls import advantages_and_mask
 
     data, loss_function, forward_only = args[0], args[1], kwargs.get("forward_only", False)
-    adv, mask = _useful_rows(data)
+    adv, mask = advantages_and_mask(data)
     keep = torch.nonzero(((adv != 0) & (mask != 0)).any(-1)).flatten()
     return wrapped(tu.index_select_tensor_dict(data, keep), loss_function, forward_only)
 

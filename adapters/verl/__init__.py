@@ -123,7 +123,7 @@ PATCHES = (
                 f"{_HERE}.filter_megatron:postprocess_micro_batch_func", versions=ENGINE,
                 option="zero_advantage_filter"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
-                f"{_HERE}.filter_megatron:reference_forward_backward_batch", versions=ENGINE, option="logprob_skip"),
+                f"{_HERE}.reference:megatron_forward_backward_batch", versions=ENGINE, option="logprob_skip"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
                 f"{_HERE}.old_logprobs_engine:forward_step", versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",

@@ -95,7 +95,7 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     forward_only = args[2] if len(args) > 2 else kwargs.get("forward_only", False)
     if update is None or forward_only or loss_function is None:
         return wrapped(*args, **kwargs)
-    from .filter_engine import CONFIG_ATTRIBUTE, actor_config_of
+    from .engine_calls import CONFIG_ATTRIBUTE, actor_config_of
 
     def collecting(*a: Any, **kw: Any) -> Any:
         from verl.workers.utils.padding import no_padding_2_padding

@@ -61,7 +61,9 @@ def _positions(micro: Any) -> Callable[[tuple], Any]:
 
 def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)``."""
-    from .filter_engine import actor_config_of, batch_num_tokens_of, kept_rows_of
+    from .engine_calls import actor_config_of
+    from .filter_engine import batch_num_tokens_of
+    from .filter_engine_nograd import kept_rows_of
 
     micro, loss_function, forward_only = _bind(*args, **kwargs)
     config = actor_config_of(loss_function)
