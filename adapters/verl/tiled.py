@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from grpo_patches import api
-from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from . import state
 from .loss_modes import loss_mode_of
@@ -62,21 +62,16 @@ def enabled() -> bool:
 def decide(owner: Any, problems: list[str]) -> bool:
     """Whether the tiled loss runs for ``owner`` (an actor or engine), decided once.
 
-    :raises IncompatibleOptionsError: ``tiled_loss=True`` and a setting it cannot reproduce.
+    :raises grpo_patches.errors.IncompatibleOptionsError: ``tiled_loss=True`` and a setting it
+        cannot reproduce.
     """
     own = state.of(owner)
     if own.tiled_decided:
         return own.tiled
     on = enabled()
     if on and problems:
-        text = "; ".join(problems)
-        if api.strict(FRAMEWORK, "tiled_loss"):
-            raise IncompatibleOptionsError(
-                f"tiled_loss=True cannot reproduce verl's loss with: {text}. Change the setting or pass "
-                "tiled_loss=False (or 'auto') to grpo_patches.enable(...)"
-            )
-        api.note(FRAMEWORK, "tiled_loss", f"off: {text}", owner=owner)
-        on = False
+        on = refuse_or_note(FRAMEWORK, "tiled_loss", f"it cannot reproduce verl's loss with {'; '.join(problems)}",
+                            owner=owner)
     elif on:
         api.note(FRAMEWORK, "tiled_loss", "on: the policy loss comes from the last hidden state and the lm-head "
                  "weight, tile by tile (no [tokens, vocab] logits)", owner=owner)
@@ -84,12 +79,9 @@ def decide(owner: Any, problems: list[str]) -> bool:
     return on
 
 
-def decline(owner: Any, why: str) -> None:
-    """This call runs verl's own path: an error for ``tiled_loss=True``, a status note for ``"auto"``."""
-    if api.strict(FRAMEWORK, "tiled_loss"):
-        raise IncompatibleOptionsError(f"tiled_loss=True cannot reproduce verl's loss with: {why}. Pass "
-                                       "tiled_loss=False (or 'auto') to grpo_patches.enable(...)")
-    api.note(FRAMEWORK, "tiled_loss", f"off for an update: {why}", owner=owner)
+def decline(owner: Any, why: str, scope: str = "an update") -> None:
+    """This ``scope`` runs verl's own path: an error for ``tiled_loss=True``, a status note for ``"auto"``."""
+    refuse_or_note(FRAMEWORK, "tiled_loss", f"{scope} runs verl's own loss: {why}", owner=owner)
 
 
 def config_problems(config: Any, *, fused: bool, backend: str | None, sp: int) -> list[str]:
@@ -205,7 +197,7 @@ def _loss_options(call: TiledCall, temperature: float) -> dict:
     clip = config.clip_ratio
     low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
     high = config.clip_ratio_high if config.clip_ratio_high is not None else clip
-    options = dict(loss_type=None, objective="clip", aggregation="token-sum", epsilon_low=low, epsilon_high=high,
+    options = dict(objective="clip", aggregation="token-sum", epsilon_low=low, epsilon_high=high,
                    delta=float(config.get("clip_ratio_c", 3.0)), log_ratio_clamp=LOG_RATIO_CLAMP,
                    temperature=temperature, return_logps=True, return_entropy=call.calculate_entropy)
     tile = _options().tile_size
@@ -340,10 +332,7 @@ def _tiled_policy_loss(fn: Callable[..., Any], call: TiledCall, *args: Any, **kw
         slot.pop()
     pg_loss, metrics = fn(*args, **kwargs)
     if call.loss is None:  # verl's own forward ran (with its gradient): nothing to replace
-        why = call.declined or "verl's forward did not call FusedLinearForPPO"
-        if api.strict(FRAMEWORK, "tiled_loss"):
-            raise RuntimeError(f"grpo_patches: tiled_loss=True but {why}; pass tiled_loss='auto' or False")
-        api.note(FRAMEWORK, "tiled_loss", f"off for a micro-batch: {why}", owner=call.owner)
+        decline(call.owner, call.declined or "verl's forward did not call FusedLinearForPPO", "a micro-batch")
         return pg_loss, metrics
     _check_inputs(call, kwargs)
     # verl's value, the tiled loss's gradient, and (exactly 0) a path through the model's output
