@@ -3,32 +3,33 @@
 :data:`PATCHES` is the adapter's one patch table; each record narrows the supported range to
 the line whose internals it wraps. Records on one attribute stack in table order.
 
-- legacy actor (``verl.workers.actor.dp_actor``, ``verl.protocol``): the zero-advantage
-  filter (:mod:`.filter_legacy`).
-- engine (``verl.workers.engine.fsdp.transformer_impl``): the zero-advantage filter
-  (:mod:`.filter_engine`).
-- Megatron engine (``verl.workers.engine.megatron.transformer_impl``): the same filter with
-  Megatron's pipeline schedule and per-token loss (:mod:`.filter_megatron`), the reference
-  placeholder and on-policy entropies, the tiled loss's note (:mod:`.tiled_megatron`).
+- zero-advantage filter (:mod:`.filter`: the per-actor decision): the legacy actor
+  (``verl.workers.actor.dp_actor``, ``verl.protocol``: :mod:`.filter_legacy`), the FSDP engine
+  (``verl.workers.engine.fsdp.transformer_impl``: :mod:`.filter_engine`,
+  :mod:`.filter_engine_nograd`), the Megatron engine
+  (``verl.workers.engine.megatron.transformer_impl``: Megatron's pipeline schedule and
+  per-token loss, :mod:`.filter_megatron`).
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
-  ``need_reference_policy`` (no reference model), placeholders for its readers.
-- old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass; the 0.7.x
-  legacy actor ignores it there; :mod:`.old_logprobs_engine`: the engine's loss uses the
-  detached current log-probs). The skipped pass leaves a NaN placeholder the workers key their
-  substitution on (:mod:`.placeholder`); the trainer skips only when its workers substitute and
-  stops when an update does not confirm it (:mod:`.skip_guarantee`).
+  ``need_reference_policy`` (no reference model), the loss without its KL term on every line.
+- old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass;
+  :mod:`.old_logprobs_legacy`: the 0.7.x legacy actor ignores it there;
+  :mod:`.old_logprobs_engine`: the engine's loss uses the detached current log-probs). The
+  skipped pass leaves a NaN placeholder the workers key their substitution on
+  (:mod:`.placeholder`); the trainer skips only when its workers substitute and stops when an
+  update does not confirm it (:mod:`.skip_guarantee`).
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
-  verl's fused-kernel lm-head call with the tiled loss.
+  verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
+  (:mod:`.tiled_megatron`).
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
-reference placeholder and the old-logprob checks see verl's unfiltered batch.
+reference skip and the old-logprob checks see verl's unfiltered batch.
 
 Wrappers are named by string so that importing this table imports neither torch nor verl.
 Every record is applied when its own module is imported, so each Ray worker gets exactly
 the records of the modules it imports (``GRPO_PATCHES=verl`` reaches them: README).
+The skeleton every adapter shares: ``adapters/README.md``.
 """
-
 from __future__ import annotations
 
 from grpo_patches.patching import PatchTarget
@@ -115,7 +116,7 @@ PATCHES = (
                 versions=OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs_legacy:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
-    # Megatron engine (0.8+): the filter innermost, then the reference placeholder, the on-policy
+    # Megatron engine (0.8+): the filter innermost, then the reference skip, the on-policy
     # entropies (old_logprobs_engine's collector has forward_backward_batch's call shape) and the tiled note
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
                 f"{_HERE}.filter_megatron:forward_backward_batch", versions=ENGINE, option="zero_advantage_filter"),
