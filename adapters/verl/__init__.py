@@ -5,10 +5,10 @@ the line whose internals it wraps. Records on one attribute stack in table order
 
 - zero-advantage filter (:mod:`.filter`: the per-actor decision): the legacy actor
   (``verl.workers.actor.dp_actor``, ``verl.protocol``: :mod:`.filter_legacy`), the FSDP engine
-  (``verl.workers.engine.fsdp.transformer_impl``: :mod:`.filter_engine`,
-  :mod:`.filter_engine_nograd`), the Megatron engine
+  (``verl.workers.engine.fsdp.transformer_impl``: :mod:`.filter_engine`), the Megatron engine
   (``verl.workers.engine.megatron.transformer_impl``: Megatron's pipeline schedule and
-  per-token loss, :mod:`.filter_megatron`).
+  per-token loss, :mod:`.filter_megatron`); ``dropped_rows_metrics=True``:
+  :mod:`.filter_legacy_nograd`, :mod:`.filter_engine_nograd`.
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), the loss without its KL term on every line.
 - old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass;
@@ -18,8 +18,8 @@ the line whose internals it wraps. Records on one attribute stack in table order
   (:mod:`.placeholder`); the trainer skips only when its workers substitute and stops when an
   update does not confirm it (:mod:`.skip_guarantee`).
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
-- tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
-  verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
+- tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
+  :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
   (:mod:`.tiled_megatron`).
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
@@ -67,12 +67,12 @@ PATCHES = (
     # tiled lm-head loss: innermost on _forward_micro_batch (it sees the micro-batch as the other records leave it)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.tiled_legacy:forward_micro_batch",
                 versions=LEGACY, option="tiled_loss"),
-    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=LEGACY,
+    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled_policy_loss:get_policy_loss_fn", versions=LEGACY,
                 option="tiled_loss"),
     PatchTarget(FUSED, "FusedLinearForPPO.forward", f"{_HERE}.tiled:fused_linear_forward", option="tiled_loss"),
     PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.tiled_engine:forward_step",
                 versions=ENGINE, option="tiled_loss"),
-    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=ENGINE,
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled_policy_loss:get_policy_loss_fn", versions=ENGINE,
                 option="tiled_loss"),
     # zero-advantage filter
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.filter_legacy:update_policy",
@@ -114,7 +114,8 @@ PATCHES = (
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs_legacy:update_policy",
                 versions=OLD_SKIP, option="logprob_skip"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs_legacy:forward_micro_batch",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch",
+                f"{_HERE}.old_logprobs_legacy:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
     # Megatron engine (0.8+): the filter innermost, then the reference skip, the on-policy
     # entropies (old_logprobs_engine's collector has forward_backward_batch's call shape) and the tiled note
