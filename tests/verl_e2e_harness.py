@@ -78,7 +78,7 @@ def build_assets(root: str | os.PathLike, workload: Workload = TESTS, prompts: l
     Default prompts: 3..6 words, every other one ``"equal"`` (every sample the same reward)."""
     import pandas as pd
 
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     root = Path(root)
     model, tokenizer = root / "tiny-qwen2", root / "tokenizer"

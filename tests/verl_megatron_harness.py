@@ -78,7 +78,7 @@ def model_dir(root: str) -> str:
     (verl's Megatron forward reads the tokenizer's pad token id)."""
     path = h.model_dir(root)
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        from grpo_patches.tiny_model import build_tokenizer
+        from grpo_patches.demo.tiny_model import build_tokenizer
 
         build_tokenizer().save_pretrained(path)
     return path
