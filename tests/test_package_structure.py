@@ -23,23 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 #: source folder -> the package it is installed as (pyproject.toml's package-dir)
 SOURCES = {"grpo_patches": ROOT / "grpo_patches", "grpo_patches.adapters": ROOT / "adapters"}
 
-#: Import cycles still in the verl adapter: the one-skeleton refactor (issue 18) removes them in
-#: its second wave, when adapters/verl gets the skeleton. Each entry is one strongly connected
-#: component; an entry that no longer occurs fails too, so that this list only shrinks.
-KNOWN_CYCLES = {
-    frozenset({"grpo_patches.adapters.verl.engine_filter", "grpo_patches.adapters.verl.engine_nograd"}),
-    frozenset({"grpo_patches.adapters.verl.old_logprobs", "grpo_patches.adapters.verl.old_logprobs_engine"}),
-}
-#: Private names the verl adapter's modules import from each other (same wave, same rule):
-#: (importing module, imported module, name).
-KNOWN_PRIVATE_IMPORTS = {
-    ("grpo_patches.adapters.verl.reference", "grpo_patches.adapters.verl.engine_filter", "_bind"),
-    ("grpo_patches.adapters.verl.tiled_megatron", "grpo_patches.adapters.verl.engine_filter", "_bind"),
-    ("grpo_patches.adapters.verl.old_logprobs", "grpo_patches.adapters.verl.reference", "_get"),
-    ("grpo_patches.adapters.verl.old_logprobs_engine", "grpo_patches.adapters.verl.old_logprobs", "_gather"),
-    ("grpo_patches.adapters.verl.engine_nograd", "grpo_patches.adapters.verl.engine_filter", "_SUBSET"),
-    ("grpo_patches.adapters.verl.engine_nograd", "grpo_patches.adapters.verl.engine_filter", "_useful_rows"),
-}
+#: Import cycles allowed for now (none: each entry would be one strongly connected component,
+#: and an entry that no longer occurs fails too, so that this list only shrinks).
+KNOWN_CYCLES: set[frozenset[str]] = set()
+#: Private names allowed to be imported across modules for now, as (importing module, imported
+#: module, name) (none: the same rule).
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

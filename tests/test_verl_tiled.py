@@ -140,7 +140,9 @@ def test_what_the_tiled_loss_cannot_reproduce(setting, path, named):
     """True: one clear error naming the setting; "auto": verl's own path, the reason in status()."""
     with pytest.raises(IncompatibleOptionsError, match=named) as info:
         run(TILED, path, agg="token-mean", **setting)
-    assert str(info.value).startswith("tiled_loss=True cannot reproduce verl's loss with: ")
+    message = str(info.value)  # refuse_or_note's wording: the option, the reason, the fix
+    assert message.startswith("tiled_loss=True: it cannot reproduce verl's loss with ")
+    assert "tiled_loss=False to grpo_patches.enable('verl', ...)" in message
     ref = run(None, path, agg="token-mean", **setting)
     got = run({**TILED, "tiled_loss": "auto"}, path, agg="token-mean", **setting)
     assert h.max_rel(got, ref) == 0.0  # verl's own computation, untouched

@@ -34,19 +34,19 @@ def renormalising_filter(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     (the naive filter: every kept row's loss renormalised by the kept tokens)."""
     from verl.utils import tensordict_utils as tu
 
-    from grpo_patches.adapters.verl.engine_filter import _useful_rows
+    from grpo_patches.adapters.verl.engine_calls import advantages_and_mask
 
     data, loss_function, forward_only = args[0], args[1], kwargs.get("forward_only", False)
-    adv, mask = _useful_rows(data)
+    adv, mask = advantages_and_mask(data)
     keep = torch.nonzero(((adv != 0) & (mask != 0)).any(-1)).flatten()
     return wrapped(tu.index_select_tensor_dict(data, keep), loss_function, forward_only)
 
 
 def plant_fault() -> None:
     """Replace the adapter's filtering step with :func:`renormalising_filter` in this process."""
-    from grpo_patches.adapters.verl import engine_filter
+    from grpo_patches.adapters.verl import filter_engine
 
-    engine_filter.forward_backward_batch = renormalising_filter
+    filter_engine.forward_backward_batch = renormalising_filter
 
 
 def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:

@@ -3,32 +3,33 @@
 :data:`PATCHES` is the adapter's one patch table; each record narrows the supported range to
 the line whose internals it wraps. Records on one attribute stack in table order.
 
-- legacy actor (``verl.workers.actor.dp_actor``, ``verl.protocol``): the zero-advantage
-  filter (:mod:`.legacy_filter`).
-- engine (``verl.workers.engine.fsdp.transformer_impl``): the zero-advantage filter
-  (:mod:`.engine_filter`).
-- Megatron engine (``verl.workers.engine.megatron.transformer_impl``): the same filter with
-  Megatron's pipeline schedule and per-token loss (:mod:`.filter_megatron`), the reference
-  placeholder and on-policy entropies, the tiled loss's note (:mod:`.tiled_megatron`).
+- zero-advantage filter (:mod:`.filter`: the per-actor decision): the legacy actor
+  (``verl.workers.actor.dp_actor``, ``verl.protocol``: :mod:`.filter_legacy`), the FSDP engine
+  (``verl.workers.engine.fsdp.transformer_impl``: :mod:`.filter_engine`), the Megatron engine
+  (``verl.workers.engine.megatron.transformer_impl``: Megatron's pipeline schedule and
+  per-token loss, :mod:`.filter_megatron`); ``dropped_rows_metrics=True``:
+  :mod:`.filter_legacy_nograd`, :mod:`.filter_engine_nograd`.
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
-  ``need_reference_policy`` (no reference model), placeholders for its readers.
-- old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass; the 0.7.x
-  legacy actor ignores it there; :mod:`.old_logprobs_engine`: the engine's loss uses the
-  detached current log-probs). The skipped pass leaves a NaN placeholder the workers key their
-  substitution on (:mod:`.placeholder`); the trainer skips only when its workers substitute and
-  stops when an update does not confirm it (:mod:`.skip_guarantee`).
+  ``need_reference_policy`` (no reference model), the loss without its KL term on every line.
+- old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass;
+  :mod:`.old_logprobs_legacy`: the 0.7.x legacy actor ignores it there;
+  :mod:`.old_logprobs_engine`: the engine's loss uses the detached current log-probs). The
+  skipped pass leaves a NaN placeholder the workers key their substitution on
+  (:mod:`.placeholder`); the trainer skips only when its workers substitute and stops when an
+  update does not confirm it (:mod:`.skip_guarantee`).
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
-- tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_legacy`, :mod:`.tiled_engine`): answers
-  verl's fused-kernel lm-head call with the tiled loss.
+- tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
+  :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
+  (:mod:`.tiled_megatron`).
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
-reference placeholder and the old-logprob checks see verl's unfiltered batch.
+reference skip and the old-logprob checks see verl's unfiltered batch.
 
 Wrappers are named by string so that importing this table imports neither torch nor verl.
 Every record is applied when its own module is imported, so each Ray worker gets exactly
 the records of the modules it imports (``GRPO_PATCHES=verl`` reaches them: README).
+The skeleton every adapter shares: ``adapters/README.md``.
 """
-
 from __future__ import annotations
 
 from grpo_patches.patching import PatchTarget
@@ -66,25 +67,25 @@ PATCHES = (
     # tiled lm-head loss: innermost on _forward_micro_batch (it sees the micro-batch as the other records leave it)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.tiled_legacy:forward_micro_batch",
                 versions=LEGACY, option="tiled_loss"),
-    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=LEGACY,
+    PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled_policy_loss:get_policy_loss_fn", versions=LEGACY,
                 option="tiled_loss"),
     PatchTarget(FUSED, "FusedLinearForPPO.forward", f"{_HERE}.tiled:fused_linear_forward", option="tiled_loss"),
     PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.tiled_engine:forward_step",
                 versions=ENGINE, option="tiled_loss"),
-    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled:get_policy_loss_fn", versions=ENGINE,
+    PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.tiled_policy_loss:get_policy_loss_fn", versions=ENGINE,
                 option="tiled_loss"),
     # zero-advantage filter
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.legacy_filter:update_policy",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.filter_legacy:update_policy",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.legacy_filter:forward_micro_batch",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.filter_legacy:forward_micro_batch",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget(DP_ACTOR, "prepare_dynamic_batch", f"{_HERE}.legacy_filter:prepare_dynamic_batch",
+    PatchTarget(DP_ACTOR, "prepare_dynamic_batch", f"{_HERE}.filter_legacy:prepare_dynamic_batch",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget("verl.protocol", "DataProto.split", f"{_HERE}.legacy_filter:split",
+    PatchTarget("verl.protocol", "DataProto.split", f"{_HERE}.filter_legacy:split",
                 versions=LEGACY, option="zero_advantage_filter"),
-    PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.engine_filter:forward_backward_batch",
+    PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.filter_engine:forward_backward_batch",
                 versions=ENGINE, option="zero_advantage_filter"),
-    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.engine_nograd:forward_step",
+    PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.filter_engine_nograd:forward_step",
                 versions=ENGINE, option="zero_advantage_filter"),  # outside the tiled loss's record
     # reference pass (and model) at KL coefficient 0
     *(PatchTarget(module, "need_reference_policy", f"{_HERE}.reference:need_reference_policy", versions=versions,
@@ -111,11 +112,12 @@ PATCHES = (
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.old_logprobs_engine:get_policy_loss_fn",
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs:update_policy",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.old_logprobs_legacy:update_policy",
                 versions=OLD_SKIP, option="logprob_skip"),
-    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch", f"{_HERE}.old_logprobs:forward_micro_batch",
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._forward_micro_batch",
+                f"{_HERE}.old_logprobs_legacy:forward_micro_batch",
                 versions=OLD_SKIP, option="logprob_skip"),
-    # Megatron engine (0.8+): the filter innermost, then the reference placeholder, the on-policy
+    # Megatron engine (0.8+): the filter innermost, then the reference skip, the on-policy
     # entropies (old_logprobs_engine's collector has forward_backward_batch's call shape) and the tiled note
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
                 f"{_HERE}.filter_megatron:forward_backward_batch", versions=ENGINE, option="zero_advantage_filter"),
@@ -123,7 +125,7 @@ PATCHES = (
                 f"{_HERE}.filter_megatron:postprocess_micro_batch_func", versions=ENGINE,
                 option="zero_advantage_filter"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
-                f"{_HERE}.filter_megatron:reference_forward_backward_batch", versions=ENGINE, option="logprob_skip"),
+                f"{_HERE}.reference:megatron_forward_backward_batch", versions=ENGINE, option="logprob_skip"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
                 f"{_HERE}.old_logprobs_engine:forward_step", versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",

@@ -5,7 +5,7 @@ unfiltered ``batch_num_tokens`` all-reduced over DP, the trainer's ``global_batc
 makes micro-batches with ``same_micro_num_in_dp=True`` and runs Megatron's pipeline schedule.
 ``postprocess_micro_batch_func`` multiplies each micro-batch's loss by the micro-batch count
 and Megatron's schedule divides it by the same count, so the filtered update (fewer
-micro-batches) still sums the kept rows' global-denominator losses: :mod:`.engine_filter`
+micro-batches) still sums the kept rows' global-denominator losses: :mod:`.filter_engine`
 does the filtering, unchanged. What Megatron adds:
 
 * **pipeline and tensor parallelism**: every rank of a model-parallel group holds the same
@@ -30,33 +30,13 @@ from typing import Any, Callable
 
 from grpo_patches import api
 
-from . import engine_filter
-from .decide import filter_mode
+from . import filter_engine
+from .engine_calls import actor_config_of, forward_backward_arguments
+from .filter import filter_mode
+from .megatron_stages import on_every_stage
 
 #: (unfiltered global routed tokens, this rank's dropped routed tokens still to report) during a filtered update.
 _ROUTED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_routed", default=None)
-#: Marks the stand-in output of a pipeline stage that is not the last (verl returns ``{}`` there).
-_NOT_LAST_STAGE = "grpo_patches_not_last_stage"
-
-
-def _on_every_stage(engine_wrapper: Callable[..., Any], wrapped: Callable[..., Any], instance: Any, args: tuple,
-                    kwargs: dict) -> Any:
-    """Run a wrapper written for the FSDP engine's ``forward_backward_batch`` (it edits
-    ``output["metrics"]``) on every pipeline stage: the stages before the last return ``{}``."""
-
-    def run(*a: Any, **kw: Any) -> Any:
-        output = wrapped(*a, **kw)
-        return output if output else {"metrics": {}, _NOT_LAST_STAGE: True}
-
-    output = engine_wrapper(run, instance, args, kwargs)
-    return {} if output.get(_NOT_LAST_STAGE) else output
-
-
-def reference_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """:func:`.reference.forward_backward_batch` (the placeholder at KL coefficient 0) on every stage."""
-    from . import reference
-
-    return _on_every_stage(reference.forward_backward_batch, wrapped, instance, args, kwargs)
 
 
 def megatron_problems(engine: Any) -> tuple[str, ...]:
@@ -85,16 +65,16 @@ def megatron_problems(engine: Any) -> tuple[str, ...]:
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngine.forward_backward_batch(data, loss_function, forward_only)``."""
-    data, loss_function, forward_only = engine_filter._bind(*args, **kwargs)
-    config = engine_filter.actor_config_of(loss_function)
+    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    config = actor_config_of(loss_function)
     if instance is None or forward_only or config is None or "advantages" not in data.keys():
         return wrapped(*args, **kwargs)
-    problems = (*engine_filter._problems(config, data), *megatron_problems(instance))
-    if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; engine_filter reads it
+    problems = (*filter_engine.settings_problems(config, data), *megatron_problems(instance))
+    if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; filter_engine reads it
         return wrapped(*args, **kwargs)
     per_token = bool(getattr(getattr(instance, "tf_config", None), "calculate_per_token_loss", False))
     if not per_token or not hasattr(instance, "_routed_num_tokens"):  # 0.8.0 has no per-token loss path
-        return _on_every_stage(engine_filter.forward_backward_batch, wrapped, instance, args, kwargs)
+        return on_every_stage(filter_engine.forward_backward_batch, wrapped, instance, args, kwargs)
 
     routed = _global_routed_tokens(instance, data)
     unfiltered_local = int(instance._routed_num_tokens(data))
@@ -107,7 +87,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
         finally:
             _ROUTED.reset(token)
 
-    return _on_every_stage(engine_filter.forward_backward_batch, run_with_unfiltered_token_counts, instance, args,
+    return on_every_stage(filter_engine.forward_backward_batch, run_with_unfiltered_token_counts, instance, args,
                            kwargs)
 
 

@@ -33,3 +33,19 @@ def rename_kept_rows(metrics: MutableMapping[str, Any], unchanged: Iterable[str]
     keep = set(unchanged)
     for name in [k for k in metrics if k not in keep and not k.startswith(PREFIX)]:
         metrics[name + KEPT_ROWS] = metrics.pop(name)
+
+
+def gather_rows(t: Any, group: Any = None) -> Any:
+    """All ranks' rows of ``t`` in rank order (ranks may hold different row counts after the filter):
+    what a metric over the whole batch (``actor/entropy``) aggregates."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    sizes = [None] * world
+    dist.all_gather_object(sizes, int(t.shape[0]), group=group)
+    padded = torch.zeros((max(sizes), *t.shape[1:]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])

@@ -95,7 +95,7 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     forward_only = args[2] if len(args) > 2 else kwargs.get("forward_only", False)
     if update is None or forward_only or loss_function is None:
         return wrapped(*args, **kwargs)
-    from .engine_filter import CONFIG_ATTRIBUTE, actor_config_of
+    from .engine_calls import CONFIG_ATTRIBUTE, actor_config_of
 
     def collecting(*a: Any, **kw: Any) -> Any:
         from verl.workers.utils.padding import no_padding_2_padding
@@ -134,8 +134,6 @@ def _log_entropy(metrics: dict, worker: Any, update: OnPolicyUpdate, rows: int) 
     import torch.distributed as dist
     from verl.trainer.ppo.core_algos import agg_loss
 
-    from .old_logprobs import _gather
-
     if not update.entropy:
         return
     width = max(e.shape[-1] for e, _ in update.entropy)
@@ -148,7 +146,7 @@ def _log_entropy(metrics: dict, worker: Any, update: OnPolicyUpdate, rows: int) 
     complete = update.rows_seen == rows
     group = worker.engine.get_data_parallel_group()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        entropy, mask = _gather(entropy, group), _gather(mask, group)
+        entropy, mask = verl_metrics.gather_rows(entropy, group), verl_metrics.gather_rows(mask, group)
         flag = torch.tensor([int(complete)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         complete = bool(flag.item())

@@ -26,31 +26,24 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import metrics as verl_metrics
+from .config_value import config_value
+from .megatron_stages import on_every_stage
 
 #: Legacy ``update_policy`` / engine ``ppo_loss`` metrics of the KL loss (not logged at coefficient 0).
 KL_METRICS = ("actor/kl_loss", "actor/kl_coef", "kl_loss", "kl_coef")
-
-
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        getter = getattr(node, "get", None)
-        node = getter(part, None) if getter is not None else getattr(node, part, None)
-    return default if node is None else node
 
 
 def kl_coefficients(config: Any) -> dict[str, float] | None:
     """Every coefficient that consumes reference log-probs, or ``None`` when one can change
     during training (an adaptive in-reward KL controller)."""
     coefficients: dict[str, float] = {}
-    if _get(config, "actor_rollout_ref.actor.use_kl_loss", False):
-        coefficients["actor_rollout_ref.actor.kl_loss_coef"] = float(_get(config, "actor_rollout_ref.actor.kl_loss_coef", 0.0))
-    if _get(config, "algorithm.use_kl_in_reward", False):
-        if _get(config, "algorithm.kl_ctrl.type", "fixed") != "fixed":
+    if config_value(config, "actor_rollout_ref.actor.use_kl_loss", False):
+        coefficient = config_value(config, "actor_rollout_ref.actor.kl_loss_coef", 0.0)
+        coefficients["actor_rollout_ref.actor.kl_loss_coef"] = float(coefficient)
+    if config_value(config, "algorithm.use_kl_in_reward", False):
+        if config_value(config, "algorithm.kl_ctrl.type", "fixed") != "fixed":
             return None
-        coefficients["algorithm.kl_ctrl.kl_coef"] = float(_get(config, "algorithm.kl_ctrl.kl_coef", 0.0))
+        coefficients["algorithm.kl_ctrl.kl_coef"] = float(config_value(config, "algorithm.kl_ctrl.kl_coef", 0.0))
     return coefficients
 
 
@@ -139,9 +132,9 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     log-probs (KL coefficient 0), verl's ``ppo_loss`` runs with the KL loss off."""
     import functools
 
-    from .engine_filter import _bind, actor_config_of
+    from .engine_calls import actor_config_of, forward_backward_arguments
 
-    data, loss_function, forward_only = _bind(*args, **kwargs)
+    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
     config = actor_config_of(loss_function)
     if forward_only or config is None or not _zero_coefficient(config) or "ref_log_prob" in data.keys() \
             or not isinstance(loss_function, functools.partial):
@@ -179,3 +172,9 @@ def apply_kl_penalty(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         data.batch.pop("ref_log_prob")
     kl_metrics.pop("actor/reward_kl_penalty", None)  # a KL against the old log-probs themselves
     return data, kl_metrics
+
+
+def megatron_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: :func:`forward_backward_batch` on every
+    pipeline stage (the stages before the last return ``{}``)."""
+    return on_every_stage(forward_backward_batch, wrapped, instance, args, kwargs)

@@ -16,11 +16,11 @@ training micro-batch:
    from the response tokens' hidden states and the weight through the ``grpo_lm_head_loss``
    hook, tile by tile (never ``[tokens, vocab]`` logits, prompt tokens never projected), and
    returns detached log-probs / entropies in verl's layout;
-3. :func:`get_policy_loss_fn` (wrapping the binding verl's loss code calls) hands verl a
-   policy-loss function that runs verl's own on those detached values (so every metric, and
-   the loss value, is verl's) and returns ``tiled - tiled.detach() + verl's value``: verl's
-   value, the tiled loss's gradient. Before that it checks that verl's loss received exactly
-   the inputs the tiled loss used (else a clear error: verl's internals moved).
+3. :mod:`.tiled_policy_loss` (wrapping the ``get_policy_loss_fn`` binding verl's loss code
+   calls) hands verl a policy-loss function that runs verl's own on those detached values (so
+   every metric, and the loss value, is verl's) and returns ``tiled - tiled.detach() + verl's
+   value``: verl's value, the tiled loss's gradient. Before that it checks that verl's loss
+   received exactly the inputs the tiled loss used (else a clear error: verl's internals moved).
 
 The tiled loss reproduces ``policy_loss.loss_mode="vanilla"`` (verl's dual-clip PPO:
 ``clip_ratio_low/high``, ``clip_ratio_c``, the log-ratio clamp at 20), ``rollout_is_weights``,
@@ -32,12 +32,11 @@ for ``"auto"``.
 from __future__ import annotations
 
 import contextvars
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from grpo_patches import api
-from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from . import state
 from .loss_modes import loss_mode_of
@@ -62,21 +61,16 @@ def enabled() -> bool:
 def decide(owner: Any, problems: list[str]) -> bool:
     """Whether the tiled loss runs for ``owner`` (an actor or engine), decided once.
 
-    :raises IncompatibleOptionsError: ``tiled_loss=True`` and a setting it cannot reproduce.
+    :raises grpo_patches.errors.IncompatibleOptionsError: ``tiled_loss=True`` and a setting it
+        cannot reproduce.
     """
     own = state.of(owner)
     if own.tiled_decided:
         return own.tiled
     on = enabled()
     if on and problems:
-        text = "; ".join(problems)
-        if api.strict(FRAMEWORK, "tiled_loss"):
-            raise IncompatibleOptionsError(
-                f"tiled_loss=True cannot reproduce verl's loss with: {text}. Change the setting or pass "
-                "tiled_loss=False (or 'auto') to grpo_patches.enable(...)"
-            )
-        api.note(FRAMEWORK, "tiled_loss", f"off: {text}", owner=owner)
-        on = False
+        on = refuse_or_note(FRAMEWORK, "tiled_loss", f"it cannot reproduce verl's loss with {'; '.join(problems)}",
+                            owner=owner)
     elif on:
         api.note(FRAMEWORK, "tiled_loss", "on: the policy loss comes from the last hidden state and the lm-head "
                  "weight, tile by tile (no [tokens, vocab] logits)", owner=owner)
@@ -84,12 +78,9 @@ def decide(owner: Any, problems: list[str]) -> bool:
     return on
 
 
-def decline(owner: Any, why: str) -> None:
-    """This call runs verl's own path: an error for ``tiled_loss=True``, a status note for ``"auto"``."""
-    if api.strict(FRAMEWORK, "tiled_loss"):
-        raise IncompatibleOptionsError(f"tiled_loss=True cannot reproduce verl's loss with: {why}. Pass "
-                                       "tiled_loss=False (or 'auto') to grpo_patches.enable(...)")
-    api.note(FRAMEWORK, "tiled_loss", f"off for an update: {why}", owner=owner)
+def decline(owner: Any, why: str, scope: str = "an update") -> None:
+    """This ``scope`` runs verl's own path: an error for ``tiled_loss=True``, a status note for ``"auto"``."""
+    refuse_or_note(FRAMEWORK, "tiled_loss", f"{scope} runs verl's own loss: {why}", owner=owner)
 
 
 def config_problems(config: Any, *, fused: bool, backend: str | None, sp: int) -> list[str]:
@@ -205,7 +196,7 @@ def _loss_options(call: TiledCall, temperature: float) -> dict:
     clip = config.clip_ratio
     low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
     high = config.clip_ratio_high if config.clip_ratio_high is not None else clip
-    options = dict(loss_type=None, objective="clip", aggregation="token-sum", epsilon_low=low, epsilon_high=high,
+    options = dict(objective="clip", aggregation="token-sum", epsilon_low=low, epsilon_high=high,
                    delta=float(config.get("clip_ratio_c", 3.0)), log_ratio_clamp=LOG_RATIO_CLAMP,
                    temperature=temperature, return_logps=True, return_entropy=call.calculate_entropy)
     tile = _options().tile_size
@@ -296,97 +287,3 @@ def _anchored(log_probs: Any, loss: Any, positions: Any) -> Any:
     bump = torch.zeros_like(flat)
     bump[candidates[-1]] = 1.0
     return (flat + bump * (loss - loss.detach())).view(log_probs.shape)
-
-
-def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``get_policy_loss_fn(name)`` as bound by verl's loss code (dp_actor, losses)."""
-    fn = wrapped(*args, **kwargs)
-    call = pending()
-    if call is None:
-        return fn
-    return functools.partial(_tiled_policy_loss, fn, call)
-
-
-#: Where the line's wrapper leaves the micro-batch's call for the policy loss (legacy: after
-#: ``_forward_micro_batch`` returned; engine: inside ``forward_step``).
-_PENDING: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_pending", default=None)
-
-
-def pending() -> TiledCall | None:
-    slot = _PENDING.get()
-    if slot is not None and slot:
-        return slot[-1]
-    return _CALL.get()
-
-
-def open_slot() -> contextvars.Token:
-    """A slot for the calls of one update (legacy: the loss runs after the forward returns)."""
-    return _PENDING.set([])
-
-
-def leave(call: TiledCall) -> None:
-    slot = _PENDING.get()
-    if slot is not None:
-        slot.append(call)
-
-
-def close_slot(token: contextvars.Token) -> None:
-    _PENDING.reset(token)
-
-
-def _tiled_policy_loss(fn: Callable[..., Any], call: TiledCall, *args: Any, **kwargs: Any) -> Any:
-    slot = _PENDING.get()
-    if slot is not None and slot and slot[-1] is call:
-        slot.pop()
-    pg_loss, metrics = fn(*args, **kwargs)
-    if call.loss is None:  # verl's own forward ran (with its gradient): nothing to replace
-        why = call.declined or "verl's forward did not call FusedLinearForPPO"
-        if api.strict(FRAMEWORK, "tiled_loss"):
-            raise RuntimeError(f"grpo_patches: tiled_loss=True but {why}; pass tiled_loss='auto' or False")
-        api.note(FRAMEWORK, "tiled_loss", f"off for a micro-batch: {why}", owner=call.owner)
-        return pg_loss, metrics
-    _check_inputs(call, kwargs)
-    # verl's value, the tiled loss's gradient, and (exactly 0) a path through the model's output
-    # log-probs, so FSDP's pre-backward hook on the forward's outputs fires (see _anchored)
-    log_prob, mask = kwargs["log_prob"], kwargs["response_mask"] != 0
-    through_output = (log_prob[mask] * 0.0).sum() if log_prob.requires_grad else 0.0
-    return call.loss - call.loss.detach() + pg_loss.detach() + through_output, metrics
-
-
-def _check_inputs(call: TiledCall, got: dict) -> None:
-    """verl's policy loss must see exactly what the tiled loss used (else its internals moved)."""
-    import torch
-
-    rows = call.rows
-    mask_loss = got["response_mask"]
-    device = call.logps.device
-
-    def at(value: Any) -> Any:
-        value = value.to(device)
-        return value if rows is None else value[rows.to(device)]
-
-    mask = at(mask_loss) != 0
-    problems = []
-    if not torch.equal(mask, call.used["response_mask"].to(device) != 0):
-        problems.append("response_mask")
-    else:
-        if not torch.equal(at(got["log_prob"])[mask].float(), call.logps[mask]):
-            problems.append("log_prob (not the tiled loss's)")
-        old = call.used.get("old_log_probs")
-        expected = call.logps if old is None else old.to(device).float()
-        if not torch.equal(at(got["old_log_prob"])[mask].float(), expected[mask]):
-            problems.append("old_log_prob" + (" (verl's update is not on-policy)" if old is None else ""))
-        if not torch.equal(at(got["advantages"])[mask].float(), call.used["advantages"].to(device)[mask].float()):
-            problems.append("advantages")
-        is_weights, used = got.get("rollout_is_weights"), call.used.get("rollout_is_weights")
-        if (is_weights is None) != (used is None) or (
-                used is not None and not torch.equal(at(is_weights)[mask].float(), used.to(device)[mask].float())):
-            problems.append("rollout_is_weights")
-        weights = token_weights(mask_loss, got["loss_agg_mode"], global_batch_info(call.config))
-        if got["loss_agg_mode"] != call.loss_agg_mode or not torch.equal(weights.to(device), call.weights.to(device)):
-            problems.append("the loss aggregation (loss_agg_mode / global token and row counts)")
-    if problems:
-        raise RuntimeError(
-            "grpo_patches: verl's policy loss received a different " + ", ".join(problems)
-            + " than the tiled loss used (verl's internals moved?); pass tiled_loss=False to grpo_patches.enable(...)"
-        )

@@ -62,7 +62,9 @@ def _positions(micro: Any) -> Callable[[tuple], Any]:
 
 def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)``."""
-    from .engine_filter import actor_config_of, batch_num_tokens_of, kept_rows_of
+    from .engine_calls import actor_config_of
+    from .filter_engine import batch_num_tokens_of
+    from .filter_engine_nograd import kept_rows_of
 
     micro, loss_function, forward_only = _bind(*args, **kwargs)
     config = actor_config_of(loss_function)
@@ -81,11 +83,11 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
             "global_batch_size": full["global_batch_size"], "loss_scale_factor": config.loss_scale_factor}
     mask_full = padded_full["response_mask"].to(bool)
     padded = _padded_inputs(micro)
-    from .old_logprobs import engine_on_policy
+    from .old_logprobs_engine import active as on_policy_update
 
     def inputs() -> dict:
         return {"response_mask": padded["response_mask"], "advantages": padded["advantages"],
-                "old_log_probs": None if engine_on_policy(full) else padded["old_log_probs"],
+                "old_log_probs": None if on_policy_update() is not None else padded["old_log_probs"],
                 "rollout_is_weights": padded.get("rollout_is_weights"), "ref_log_prob": padded.get("ref_log_prob")}
 
     call = tiled.TiledCall(

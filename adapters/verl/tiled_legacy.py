@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from . import tiled
+from . import tiled, tiled_policy_loss
 from .multimodal import has_multimodal_inputs
 
 _UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_update", default=None)
@@ -56,11 +56,11 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     mini_batches = -(-len(data) // config.ppo_mini_batch_size)
     on_policy = mini_batches == 1 and config.ppo_epochs == 1 and not config.get("use_rollout_log_probs", False)
     update = Update(instance, on_policy)
-    token, slot = _UPDATE.set(update), tiled.open_slot()
+    token, slot = _UPDATE.set(update), tiled_policy_loss.open_slot()
     try:
         out = wrapped(*args, **kwargs)
     finally:
-        tiled.close_slot(slot)
+        tiled_policy_loss.close_slot(slot)
         _UPDATE.reset(token)
     verl_metrics.report(out, tiled_loss_micro_batches=update.calls)
     return out
@@ -99,7 +99,7 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
     if update is None or update.actor is not instance or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
     micro, calculate_entropy = _bind(*args, **kwargs)
-    from .legacy_filter import kept_rows_of
+    from .filter_legacy_nograd import kept_rows_of
 
     full, rows = kept_rows_of(micro)  # dropped_rows_metrics: this forward holds some rows of ``full``
     config = instance.config
@@ -119,6 +119,6 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
         out = wrapped(*args, **kwargs)
     finally:
         tiled.reset(token)
-    tiled.leave(call)
+    tiled_policy_loss.leave(call)
     update.calls += call.loss is not None
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import tiled
-from .engine_filter import _bind, actor_config_of
+from .engine_calls import actor_config_of, forward_backward_arguments
 
 
 def reason(engine: Any) -> str:
@@ -25,7 +25,7 @@ def reason(engine: Any) -> str:
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: decides (once per engine) and notes."""
-    _, loss_function, forward_only = _bind(*args, **kwargs)
+    _, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
     if instance is not None and not forward_only and actor_config_of(loss_function) is not None and tiled.enabled():
         tiled.decide(instance, [reason(instance)])  # refuse-or-note
     return wrapped(*args, **kwargs)

@@ -22,7 +22,8 @@ packed into fewer micro-batches, so the dropped rows cost no forward and no back
 
 ``dropped_rows_metrics=True`` (``"nograd"``): verl's micro-batches stay as they are; in each,
 the kept rows run with autograd and the dropped rows in a no-grad forward, so every metric
-is verl's own. Metrics of the default mode: see :func:`update_policy`.
+is verl's own (:mod:`.filter_legacy_nograd`). Metrics of the default mode: see
+:func:`update_policy`.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import metrics as verl_metrics
-from .decide import filter_mode
+from .filter import filter_mode
+from .filter_legacy_nograd import split_forward, world_size
 from .multimodal import has_multimodal_inputs
 from .loss_modes import denominator, effective_agg_mode, line_of
+from .version import installed as verl_version
 
 _PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_update", default=None)
-#: ``dropped_rows_metrics=True``: (the micro-batch verl's loss sees, the rows of it this forward holds)
-_SUBSET: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_subset", default=None)
 
 #: update_policy metrics the filter provably leaves unchanged (0.7: pg_loss is a float sum).
 UNCHANGED = ("actor/grad_norm", "actor/kl_coef", "actor/lr")
@@ -71,20 +72,6 @@ class SplitPlan:
     split_size: int
     sizes: list[int]
     consumed: bool = False
-
-
-def _version():
-    from importlib import metadata
-
-    from packaging.version import Version
-
-    return Version(metadata.version("verl"))
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _micro_denominator(mask: Any, kind: str) -> float:
@@ -208,7 +195,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     mode = filter_mode(instance, instance.config)
     if mode is None:
         return wrapped(*args, **kwargs)
-    kind = denominator(line_of(_version()), effective_agg_mode(instance.config))
+    kind = denominator(line_of(verl_version()), effective_agg_mode(instance.config))
     update = Update(instance, mode, kind)
     data, rebind = _bind_data(args, kwargs)
     if has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
@@ -283,56 +270,7 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
         update.grad_rows += int(mask.shape[0])
         update.micro_batches += 1
         return wrapped(*args, **kwargs)
-    return _split_forward(wrapped, update, micro, args, kwargs)
-
-
-def _split_forward(wrapped, update: Update, micro: dict, args: tuple, kwargs: dict) -> Any:
-    """``dropped_rows_metrics=True``: kept rows with autograd, dropped rows in a no-grad forward."""
-    import torch
-
-    from grpo_patches.plugins import hook
-
-    mask, rows = micro["response_mask"], int(micro["response_mask"].shape[0])
-    plan = hook().grpo_filter_zero_advantage(advantages=micro["advantages"], mask=mask, denominator="fixed", group=None)
-    keep = plan.keep.cpu() if plan is not None else torch.arange(rows)
-    dropped_mask = torch.ones(rows, dtype=torch.bool)
-    dropped_mask[keep] = False
-    drop = torch.nonzero(dropped_mask).flatten()
-    update.rows_in += rows
-    update.rows_kept += int(keep.numel()) - (plan.padding_rows if plan is not None else 0)
-    update.tokens_dropped += plan.tokens_dropped if plan is not None else 0
-    update.padding_rows += plan.padding_rows if plan is not None else 0
-    update.grad_rows += int(keep.numel())
-    update.micro_batches += 1
-    if drop.numel() == 0 and _world() == 1:
-        return wrapped(*args, **kwargs)
-    extra = drop if drop.numel() else keep[:1]  # DP: the same two forwards on every rank (FSDP gathers)
-
-    def rows_of(index: Any) -> dict:
-        return {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else v)
-                for k, v in micro.items()}
-
-    rest = args[1:] if args else ()
-    named = {k: v for k, v in kwargs.items() if k != "micro_batch"}
-    token = _SUBSET.set((micro, keep))
-    try:
-        kept_out = wrapped(rows_of(keep), *rest, **named)
-    finally:
-        _SUBSET.reset(token)
-    with torch.no_grad():
-        dropped_out = wrapped(rows_of(extra), *rest, **named)
-
-    def merge(kept_value: Any, dropped_value: Any) -> Any:
-        if kept_value is None:
-            return None
-        full = kept_value.new_zeros((rows, *kept_value.shape[1:]))
-        if drop.numel():
-            full = full.index_put((drop,), dropped_value.to(kept_value.dtype))
-        return full.index_put((keep,), kept_value)
-
-    if isinstance(kept_out, dict):  # 0.7: {"log_probs", "entropys", ...}
-        return {k: merge(v, dropped_out.get(k)) for k, v in kept_out.items()}
-    return tuple(merge(k, d) for k, d in zip(kept_out, dropped_out))  # 0.6: (entropy, log_probs)
+    return split_forward(wrapped, update, micro, args, kwargs)
 
 
 def prepare_dynamic_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -340,19 +278,11 @@ def prepare_dynamic_batch(wrapped: Callable[..., Any], instance: Any, args: tupl
     parallelism, every rank gets the same number of micro-batches (FSDP collectives run per
     forward). Packed mini-batches have the same row count on every rank, so the count fits."""
     update = _ACTIVE.get()
-    if update is not None and update.mode == "pack" and _world() > 1 and "dp_group" not in kwargs:
+    if update is not None and update.mode == "pack" and world_size() > 1 and "dp_group" not in kwargs:
         import torch.distributed as dist
 
         kwargs = dict(kwargs, dp_group=dist.group.WORLD, same_micro_num_in_dp=True)
     return wrapped(*args, **kwargs)
-
-
-def kept_rows_of(micro: dict) -> tuple[dict, Any]:
-    """The micro-batch verl's loss will see and which of its rows ``micro`` holds (``None``: all).
-
-    Differs from ``(micro, None)`` only inside the autograd forward of ``dropped_rows_metrics=True``."""
-    subset = _SUBSET.get()
-    return (micro, None) if subset is None else subset
 
 
 def active_mode() -> str | None:

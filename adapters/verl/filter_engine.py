@@ -18,11 +18,11 @@ forward and no backward. The mini-batch, the optimizer step and ``global_batch_s
 from __future__ import annotations
 
 import contextvars
-import functools
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from .decide import filter_mode
+from .engine_calls import CONFIG_ATTRIBUTE, actor_config_of, advantages_and_mask, forward_backward_arguments
+from .filter import filter_mode
 from .loss_modes import effective_agg_mode
 
 #: ppo_loss metrics the filter provably leaves unchanged (``actor/pg_loss``: a SUM of global-
@@ -33,10 +33,6 @@ UNCHANGED = ("actor/pg_loss", "kl_coef")
 SUMS_OVER_ALL_ROWS = ("actor/entropy_loss", "kl_loss")
 #: The unfiltered global token count while verl runs the filtered mini-batch (what ppo_loss must divide by).
 _TOKENS: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_batch_num_tokens", default=None)
-#: ``dropped_rows_metrics=True``: (the micro-batch verl's loss sees, the rows of it this forward holds).
-_SUBSET: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_subset", default=None)
-#: The attribute a loss-function wrapper carries its actor config under (seen by :func:`actor_config_of`).
-CONFIG_ATTRIBUTE = "grpo_patches_actor_config"
 
 
 def batch_num_tokens_of(micro: Any) -> Any:
@@ -45,34 +41,7 @@ def batch_num_tokens_of(micro: Any) -> Any:
     return micro["batch_num_tokens"] if tokens is None else tokens
 
 
-def kept_rows_of(micro: Any) -> tuple[Any, Any]:
-    """The micro-batch verl's loss will see and which of its rows ``micro`` holds (``None``: all)."""
-    subset = _SUBSET.get()
-    return (micro, None) if subset is None else subset
-
-
-def _bind(data: Any, loss_function: Callable | None = None, forward_only: bool = False) -> tuple:
-    return data, loss_function, forward_only
-
-
-def actor_config_of(loss_function: Any) -> Any | None:
-    """The actor config of verl's ``partial(ppo_loss, config=...)`` (``None`` for other losses)."""
-    wrapped_config = getattr(loss_function, CONFIG_ATTRIBUTE, None)
-    if wrapped_config is not None:
-        return wrapped_config
-    if not isinstance(loss_function, functools.partial):
-        return None
-    func = loss_function.func
-    if getattr(func, "__name__", "") != "ppo_loss" or "config" not in loss_function.keywords:
-        return None  # value_loss, distillation losses, ...: never filtered
-    return loss_function.keywords["config"]
-
-
-def _padded(t: Any) -> Any:
-    return t.to_padded_tensor(0) if getattr(t, "is_nested", False) else t
-
-
-def _problems(config: Any, data: Any) -> tuple[str, ...]:
+def settings_problems(config: Any, data: Any) -> tuple[str, ...]:
     """Engine settings under which a row's denominator depends on its micro-batch."""
     from verl.utils import tensordict_utils as tu
 
@@ -87,24 +56,17 @@ def _problems(config: Any, data: Any) -> tuple[str, ...]:
     return tuple(problems)
 
 
-def _useful_rows(data: Any) -> tuple[Any, Any]:
-    adv, mask = _padded(data["advantages"]), _padded(data["response_mask"])
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(mask)
-    return adv, mask
-
-
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``FSDPEngine.forward_backward_batch(data, loss_function, forward_only)``."""
     import torch
 
-    data, loss_function, forward_only = _bind(*args, **kwargs)
+    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
     config = actor_config_of(loss_function)
     if instance is None or forward_only or config is None or "advantages" not in data.keys():
         return wrapped(*args, **kwargs)
     from verl.utils import tensordict_utils as tu
 
-    problems = _problems(config, data)
+    problems = settings_problems(config, data)
     mode = filter_mode(instance, config, extra_problems=problems)
     if mode is None:
         return wrapped(*args, **kwargs)
@@ -118,7 +80,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
     batch_num_tokens = total.item()
 
-    adv, mask = _useful_rows(data)
+    adv, mask = advantages_and_mask(data)
     rows = int(mask.shape[0])
     plan = hook().grpo_filter_zero_advantage(advantages=adv, mask=mask, denominator="fixed", group=group)
     if plan is None:
@@ -164,15 +126,15 @@ def _kept_rows_metrics(metrics: dict) -> None:
 
 def _nograd_update(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``dropped_rows_metrics=True``: verl's own micro-batches, each split into a no-grad and an
-    autograd forward by :mod:`.engine_nograd`; every metric stays verl's."""
-    from . import engine_nograd
+    autograd forward by :mod:`.filter_engine_nograd`; every metric stays verl's."""
+    from . import filter_engine_nograd
 
-    update = engine_nograd.NogradUpdate()
-    token = engine_nograd.activate(update)
+    update = filter_engine_nograd.NogradUpdate()
+    token = filter_engine_nograd.activate(update)
     try:
         output = wrapped(*args, **kwargs)
     finally:
-        engine_nograd.reset(token)
+        filter_engine_nograd.reset(token)
     counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0)
     verl_metrics.report(None, **counts)
     for name, value in counts.items():

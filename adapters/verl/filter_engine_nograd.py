@@ -1,6 +1,6 @@
 """``dropped_rows_metrics=True`` on verl's engine line (0.8+): dropped rows get a no-grad forward.
 
-verl's micro-batches stay as they are (:mod:`.engine_filter` hands verl the unfiltered
+verl's micro-batches stay as they are (:mod:`.filter_engine` hands verl the unfiltered
 mini-batch). ``FSDPEngineWithLMHead.forward_step`` (wrapped) runs each micro-batch as two
 forwards: the zero-advantage rows under ``torch.no_grad`` and the other rows with autograd,
 then merges both model outputs back into the micro-batch's row order and calls verl's own
@@ -17,8 +17,12 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .engine_calls import CONFIG_ATTRIBUTE, actor_config_of, advantages_and_mask
+
 #: The counters of the nograd update running in this context (``None`` outside one).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_nograd", default=None)
+#: (the micro-batch verl's loss sees, the rows of it this forward holds) inside the autograd forward.
+_SUBSET: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_subset", default=None)
 
 
 @dataclass
@@ -34,6 +38,14 @@ def activate(update: NogradUpdate) -> contextvars.Token:
 
 def reset(token: contextvars.Token) -> None:
     _ACTIVE.reset(token)
+
+
+def kept_rows_of(micro: Any) -> tuple[Any, Any]:
+    """The micro-batch verl's loss will see and which of its rows ``micro`` holds (``None``: all).
+
+    Differs from ``(micro, None)`` only inside the autograd forward of a micro-batch split here."""
+    subset = _SUBSET.get()
+    return (micro, None) if subset is None else subset
 
 
 def _bind(micro_batch: Any, loss_function: Callable | None = None, forward_only: bool = False) -> tuple:
@@ -74,9 +86,7 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
 
     from grpo_patches.plugins import hook
 
-    from .engine_filter import _SUBSET, CONFIG_ATTRIBUTE, _useful_rows, actor_config_of
-
-    adv, mask = _useful_rows(micro)
+    adv, mask = advantages_and_mask(micro)
     rows = int(mask.shape[0])
     plan = hook().grpo_filter_zero_advantage(advantages=adv, mask=mask, denominator="fixed", group=None)
     keep = plan.keep.cpu() if plan is not None else torch.arange(rows)

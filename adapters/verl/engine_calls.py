@@ -1,0 +1,45 @@
+"""What a wrapper of verl's engine (0.8+) reads from its calls: the arguments of
+``forward_backward_batch`` / ``forward_step``, the actor config behind the loss function, and
+a batch's advantages and response mask in the padded layout.
+
+Shared by the filter, the reference and old-logprob skips and the tiled loss, so that each
+reads verl's calls the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+#: The attribute a loss-function wrapper carries its actor config under (seen by :func:`actor_config_of`).
+CONFIG_ATTRIBUTE = "grpo_patches_actor_config"
+
+
+def forward_backward_arguments(data: Any, loss_function: Callable | None = None, forward_only: bool = False) -> tuple:
+    """``(data, loss_function, forward_only)`` of a ``forward_backward_batch`` call, however passed."""
+    return data, loss_function, forward_only
+
+
+def actor_config_of(loss_function: Any) -> Any | None:
+    """The actor config of verl's ``partial(ppo_loss, config=...)`` (``None`` for other losses)."""
+    wrapped_config = getattr(loss_function, CONFIG_ATTRIBUTE, None)
+    if wrapped_config is not None:
+        return wrapped_config
+    if not isinstance(loss_function, functools.partial):
+        return None
+    func = loss_function.func
+    if getattr(func, "__name__", "") != "ppo_loss" or "config" not in loss_function.keywords:
+        return None  # value_loss, distillation losses, ...: never filtered
+    return loss_function.keywords["config"]
+
+
+def _padded(t: Any) -> Any:
+    return t.to_padded_tensor(0) if getattr(t, "is_nested", False) else t
+
+
+def advantages_and_mask(data: Any) -> tuple[Any, Any]:
+    """``data``'s advantages (per token, broadcast from per row) and response mask, padded ``[B, R]``."""
+    adv, mask = _padded(data["advantages"]), _padded(data["response_mask"])
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(mask)
+    return adv, mask

@@ -1,0 +1,99 @@
+"""The old-logprob skip on verl's 0.7.x legacy ``DataParallelPPOActor`` (worker side; :mod:`.old_logprobs`).
+
+The 0.7 legacy actor ignores old log-probs on an on-policy update (one mini-batch, one epoch:
+``old_log_prob = log_prob.detach()``), so a skipped pass needs no substitution here, only
+proof and a metric:
+
+* ``update_policy`` (wrapped): on old log-probs that are all placeholder
+  (:mod:`.placeholder`), checks that verl's own on-policy condition holds (or raises), logs
+  ``actor/entropy`` — which the trainer computes from the skipped pass — from the training
+  forward's own logits (same weights: on-policy), aggregated over the whole batch exactly as
+  the trainer does, so the logged value stays verl's (not a placeholder), and reports the
+  substitution the trainer checks (:mod:`.skip_guarantee`). With the zero-advantage filter
+  dropping rows the entropy is over the kept rows: ``actor/entropy/kept_rows``, and
+  ``actor/entropy`` is NaN (not computed).
+* ``_forward_micro_batch`` (wrapped): asks the training forward for its entropies.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+from . import metrics as verl_metrics
+from . import placeholder
+from .skip_guarantee import SUBSTITUTED
+
+_ENTROPY: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_entropy", default=None)
+
+
+def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy ``update_policy``: check the on-policy promise, log the real entropy."""
+    data = args[0] if args else kwargs.get("data")
+    if instance is None or data is None or "old_log_probs" not in data.batch.keys():
+        return wrapped(*args, **kwargs)
+    old = data.batch["old_log_probs"]
+    if not placeholder.present(old):
+        return wrapped(*args, **kwargs)
+    config = instance.config
+    mini_batches = -(-len(data) // config.ppo_mini_batch_size)
+    if not placeholder.fills(old) or mini_batches != 1 or config.ppo_epochs != 1 \
+            or config.get("use_rollout_log_probs", False):
+        raise placeholder.PlaceholderError(
+            f"grpo_patches: the old-logprob pass was skipped but this update is not on-policy ({len(data)} rows, "
+            f"ppo_mini_batch_size={config.ppo_mini_batch_size}, ppo_epochs={config.ppo_epochs}, old log-probs all "
+            f"placeholder: {placeholder.fills(old)}); nothing was trained. Please report this and {placeholder.FIX}"
+        )
+    captured: list = []
+    token = _ENTROPY.set(captured)
+    try:
+        out = wrapped(*args, **kwargs)
+    finally:
+        _ENTROPY.reset(token)
+    _log_entropy(out, config, data, captured)
+    out[SUBSTITUTED] = 1.0  # verl's own on-policy path used the current log-probs: the trainer checks this
+    verl_metrics.report(None, old_logprob_substituted_updates=1)
+    return out
+
+
+def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``_forward_micro_batch``: also compute the entropy of the training forward."""
+    captured = _ENTROPY.get()
+    if captured is None:
+        return wrapped(*args, **kwargs)
+    micro = args[0] if args else kwargs["micro_batch"]
+    if len(args) > 2:
+        args = (*args[:2], True, *args[3:])
+    else:
+        kwargs = {**kwargs, "calculate_entropy": True}
+    out = wrapped(*args, **kwargs)
+    entropy = out["entropys"] if isinstance(out, dict) else out[0]
+    rows = micro["advantages"].shape[0]
+    captured.append((entropy.detach(), micro["response_mask"], rows))
+    return out
+
+
+def _log_entropy(out: dict, config: Any, data: Any, captured: list) -> None:
+    """``actor/entropy`` over the whole batch (all DP ranks), as the trainer aggregates it."""
+    import torch
+    import torch.distributed as dist
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    out.pop("actor/entropy", None)  # the per-micro-batch entropy a calculate_entropy config logs stays verl's below
+    if not captured:
+        return
+    entropy = torch.cat([e for e, _, _ in captured])
+    mask = torch.cat([m for _, m, _ in captured])
+    complete = sum(r for _, _, r in captured) == len(data)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        entropy, mask = verl_metrics.gather_rows(entropy), verl_metrics.gather_rows(mask)
+        flags = torch.tensor([int(complete)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        complete = bool(flags.item())
+    value = agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode=config.loss_agg_mode,
+                     loss_scale_factor=config.get("loss_scale_factor", None)).item()
+    if complete:
+        out["actor/entropy"] = value
+    else:  # the zero-advantage filter left rows out of the forward
+        out["actor/entropy"] = float("nan")
+        out["actor/entropy" + verl_metrics.KEPT_ROWS] = value
