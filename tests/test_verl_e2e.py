@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from tests import verl_harness
+from tests.helpers import verl_harness
 
 if verl_harness.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -38,7 +38,7 @@ pytest.importorskip("transfer_queue")
 
 import torch  # noqa: E402
 
-from tests import verl_e2e_harness as e2e  # noqa: E402
+from tests.helpers import verl_e2e_harness as e2e  # noqa: E402
 
 TOL = 1e-5
 FULL = os.environ.get("GRPO_E2E_FULL", "") not in ("", "0")

@@ -11,7 +11,7 @@ import importlib
 
 import pytest
 
-from tests import verl_harness as h
+from tests.helpers import verl_harness as h
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import verl_harness as h
-from tests.verl_harness import process_group  # noqa: F401  (autouse: one process group per module)
+from tests.helpers import verl_harness as h
+from tests.helpers.verl_harness import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -29,30 +29,17 @@ V = Version(h.VERL)
 SKIP = {"zero_advantage_filter": False, "logprob_skip": True}
 
 
-def trainer_config(use_kl_loss=True, kl_loss_coef=0.0, use_kl_in_reward=False, kl_ctrl="fixed", kl_coef=0.0,
-                   mini=16, epochs=1, n=1):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create({
-        "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss, "kl_loss_coef": kl_loss_coef,
-                                        "ppo_mini_batch_size": mini, "ppo_epochs": epochs,
-                                        "loss_agg_mode": "token-mean", "loss_scale_factor": None},
-                              "rollout": {"n": n, "temperature": 1.0}},
-        "algorithm": {"use_kl_in_reward": use_kl_in_reward, "kl_ctrl": {"type": kl_ctrl, "kl_coef": kl_coef}},
-    })
-
-
 @pytest.mark.skipif(V < Version("0.7"), reason="0.6 decides the reference model from a role mapping")
 def test_no_reference_model_when_no_coefficient_can_be_non_zero():
     from verl.trainer.ppo import ray_trainer, utils
 
     cases = [
-        (trainer_config(), False),
-        (trainer_config(kl_loss_coef=0.1), True),
-        (trainer_config(use_kl_loss=False, use_kl_in_reward=True), False),
-        (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_coef=0.001), True),
-        (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),  # it can change
-        (trainer_config(use_kl_loss=False), False),
+        (h.trainer_config(), False),
+        (h.trainer_config(kl_loss_coef=0.1), True),
+        (h.trainer_config(use_kl_loss=False, use_kl_in_reward=True), False),
+        (h.trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_coef=0.001), True),
+        (h.trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),  # it can change
+        (h.trainer_config(use_kl_loss=False), False),
     ]
     for config, needed in cases:
         assert utils.need_reference_policy(config) is (config.actor_rollout_ref.actor.use_kl_loss
@@ -81,9 +68,9 @@ def test_no_reference_role_when_no_coefficient_can_be_non_zero_06():
         runner.add_ref_policy_worker(config, RefWorker)
         return need_reference_policy(runner.role_worker_mapping), Role.RefPolicy in runner.mapping
 
-    cases = [(trainer_config(), False), (trainer_config(kl_loss_coef=0.1), True),
-             (trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),
-             (trainer_config(use_kl_loss=False), False)]
+    cases = [(h.trainer_config(), False), (h.trainer_config(kl_loss_coef=0.1), True),
+             (h.trainer_config(use_kl_loss=False, use_kl_in_reward=True, kl_ctrl="adaptive"), True),
+             (h.trainer_config(use_kl_loss=False), False)]
     assert [roles(c) for c, _ in cases] == [(True, True)] * 3 + [(False, False)]  # verl's own rule
     h.patches(SKIP)
     try:
@@ -181,7 +168,7 @@ def _trainer(actor, **config):
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     trainer = object.__new__(RayPPOTrainer)  # no Ray: only the method under test runs
-    trainer.config = trainer_config(use_kl_loss=False, **config)
+    trainer.config = h.trainer_config(use_kl_loss=False, **config)
     trainer.use_legacy_worker_impl = "auto"
     trainer.actor_rollout_wg = _WorkerGroup(actor)
     return trainer
@@ -257,68 +244,10 @@ def test_the_pass_runs_when_something_reads_it(config):
 ENGINE_OLD_SKIP = V >= Version("0.8")
 
 
-class _EngineGroup:
-    """Stands in for the actor worker group: the real TrainingWorker's forward-only pass, counted."""
-
-    world_size = 1
-
-    def __init__(self, worker):
-        self.worker, self.calls = worker, 0
-
-    def compute_log_prob(self, td):
-        from verl.utils import tensordict_utils as tu
-
-        self.calls += 1
-        from tensordict.tensorclass import NonTensorData
-
-        tu.assign_non_tensor(td, micro_batch_size_per_gpu=4,  # the log-prob pass batches differently
-                             global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()))
-        return self.worker.worker.infer_batch(td)
-
-
-def _engine_old_pass_then_update(options, *, mini=16, placeholder=False, **config):
-    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update.
-    ``placeholder``: the update gets placeholder old log-probs whatever the trainer did."""
-    from verl import DataProto
-    from verl.trainer.ppo.core_algos import agg_loss
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    worker = h.shared_worker()
-    worker.reset_weights()
-    trainer = object.__new__(RayPPOTrainer)
-    trainer.config = trainer_config(use_kl_loss=False, mini=mini, **config)
-    trainer.actor_rollout_wg = _EngineGroup(worker)
-    batch = h.make_batch()
-    batch.pop("old_log_probs")
-    data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
-    h.patches(options)
-    try:
-        old, mfu = trainer._compute_old_log_prob(data)
-        entropy = agg_loss(loss_mat=old.batch["entropys"], loss_mask=data.batch["response_mask"],
-                           loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
-        old.batch.pop("entropys")
-        data = data.union(old)
-        if placeholder:
-            from grpo_patches.adapters.verl import placeholder as ph
-
-            data.batch["old_log_probs"] = ph.like(data.batch["response_mask"])
-        td = left_right_2_no_padding(data.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=h.ROWS, mini_batch_size=mini, epochs=1,
-                             seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
-        run = worker.run_td(td, "as is")
-        run.metrics = {"trainer/actor/entropy": entropy, "trainer/perf/mfu/actor_infer": mfu, **run.metrics}
-    finally:
-        h.patches(None)
-    run.forwards = trainer.actor_rollout_wg.calls
-    return run
-
-
 @pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
 def test_engine_on_policy_update_skips_the_old_logprob_pass(record_property):
-    ref = _engine_old_pass_then_update(None)
-    got = _engine_old_pass_then_update(SKIP)
+    ref = h.engine_old_pass_then_update(None)
+    got = h.engine_old_pass_then_update(SKIP)
     err = h.max_rel(got, ref)
     record_property("exact_old_logprob_skip_grad_rel", err)
     assert err <= 1e-6 and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
@@ -338,7 +267,7 @@ def test_engine_on_policy_update_skips_the_old_logprob_pass(record_property):
 @pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
 @pytest.mark.parametrize("config", [{"mini": 8}, {"use_kl_in_reward": True}])
 def test_engine_pass_runs_when_something_reads_it(config):
-    got = _engine_old_pass_then_update(SKIP, **config)
+    got = h.engine_old_pass_then_update(SKIP, **config)
     assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
     assert "actor/entropy" not in got.metrics  # the trainer's pass gives it
 
@@ -348,7 +277,7 @@ def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
     from grpo_patches.adapters.verl.placeholder import PlaceholderError
 
     with pytest.raises(PlaceholderError, match="not on-policy"):
-        _engine_old_pass_then_update(SKIP, mini=8, placeholder=True)  # two mini-batches, yet a skipped pass
+        h.engine_old_pass_then_update(SKIP, mini=8, placeholder=True)  # two mini-batches, yet a skipped pass
 
 
 class _FakeTransferQueue:
@@ -397,7 +326,7 @@ def _v1_trainer(monkeypatch, store, **config):
     concrete = type("Trainer", (trainer_base.PPOTrainer,), {"on_sample_end": lambda self: None,
                                                             "on_step_end": lambda self, *a, **k: None})
     trainer = object.__new__(concrete)
-    trainer.config = trainer_config(use_kl_loss=False, **config)
+    trainer.config = h.trainer_config(use_kl_loss=False, **config)
     trainer.actor_rollout_wg = Group()
     return trainer
 
@@ -445,7 +374,7 @@ def test_v1_skip_holds_when_the_stages_drop_every_marker(monkeypatch, record_pro
     from tensordict import TensorDict
 
     _worker_modules()
-    ref = _engine_old_pass_then_update(None)  # verl: the real pass, then the update
+    ref = h.engine_old_pass_then_update(None)  # verl: the real pass, then the update
     mask = h.make_batch()["response_mask"]
     store = _FakeTransferQueue({"response_mask": mask})
     trainer = _v1_trainer(monkeypatch, store)
@@ -491,7 +420,7 @@ def test_the_trainer_runs_the_pass_when_its_workers_do_not_substitute(monkeypatc
         got = _old_pass_then_update(SKIP)
         assert got.forwards == 1
     else:
-        got = _engine_old_pass_then_update(SKIP)
+        got = h.engine_old_pass_then_update(SKIP)
         assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
     notes = [n for c in got.status["by_class"].values() for n in c.values()]
     assert any("logprob_skip is off in the worker" in n for n in notes), notes

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from tests import verl_harness as h
+from tests.helpers import verl_harness as h
 
 if h.VERL is None or h.line() != "engine" or importlib.util.find_spec("megatron.core") is None \
         or importlib.util.find_spec("mbridge") is None:
@@ -28,7 +28,7 @@ if h.VERL is None or h.line() != "engine" or importlib.util.find_spec("megatron.
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tests import verl_megatron_harness as mh  # noqa: E402
+from tests.helpers import verl_megatron_harness as mh  # noqa: E402
 
 TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
@@ -124,11 +124,9 @@ def test_reference_placeholder_at_kl_coefficient_zero(workers, record_property):
 
 def test_on_policy_update_skips_the_old_logprob_pass(workers, tolerance, monkeypatch, record_property):
     """v0 ``RayPPOTrainer._compute_old_log_prob`` (real) on the Megatron worker, then its update."""
-    from tests import test_verl_logprob_passes as passes
-
     monkeypatch.setattr(h, "shared_worker", lambda: workers[False])
-    ref = passes._engine_old_pass_then_update(None)
-    got = passes._engine_old_pass_then_update({"logprob_skip": True, "zero_advantage_filter": False})
+    ref = h.engine_old_pass_then_update(None)
+    got = h.engine_old_pass_then_update({"logprob_skip": True, "zero_advantage_filter": False})
     err = h.max_rel(got, ref)
     record_property("exact_megatron_old_logprob_skip_grad_rel", err)
     assert err <= tolerance and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)

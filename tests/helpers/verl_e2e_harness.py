@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PLUGIN = "tests.verl_e2e_plugin"
-ROLLOUT_FILE = ROOT / "tests" / "verl_e2e_rollout.py"
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = "tests.helpers.verl_e2e_plugin"
+ROLLOUT_FILE = ROOT / "tests" / "helpers" / "verl_e2e_rollout.py"
 #: A chat template for the word-level tokenizer (the agent loop builds every prompt with it).
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}"
                  "{% endfor %}{% if add_generation_prompt %} {% endif %}")
@@ -96,7 +96,7 @@ def build_assets(root: str | os.PathLike, workload: Workload = TESTS, prompts: l
     data = root / "prompts.parquet"
     pd.DataFrame(rows).to_parquet(data)
     loops = root / "agent_loops.yaml"
-    loops.write_text("- name: grpo_e2e_seeded\n  _target_: tests.verl_e2e_rollout.SeededAgentLoop\n")
+    loops.write_text("- name: grpo_e2e_seeded\n  _target_: tests.helpers.verl_e2e_rollout.SeededAgentLoop\n")
     return Assets(str(model), str(tokenizer), str(data), str(loops))
 
 

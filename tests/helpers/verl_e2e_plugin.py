@@ -1,6 +1,6 @@
 """What an end-to-end verl run on CPU needs in every process it starts (tests only).
 
-``VERL_USE_EXTERNAL_MODULES=tests.verl_e2e_plugin`` makes ``import verl`` import this module in
+``VERL_USE_EXTERNAL_MODULES=tests.helpers.verl_e2e_plugin`` makes ``import verl`` import this module in
 the driver and in every Ray process (verl's own extension point; no verl file is edited). Each
 shim exists because verl 0.9 has no CPU path for it:
 
@@ -25,13 +25,13 @@ import os
 
 import wrapt
 
-ROLLOUT = "tests.verl_e2e_rollout"
+ROLLOUT = "tests.helpers.verl_e2e_rollout"
 NAME = "grpo_e2e_stand_in"  # = verl_e2e_rollout.NAME (not imported: that module imports verl)
 OUT_ENV = "GRPO_E2E_OUT"
 
 
 def _platform() -> None:
-    from tests import verl_cpu_shim
+    from tests.helpers import verl_cpu_shim
 
     verl_cpu_shim.install(ray_resource="GPU")
 

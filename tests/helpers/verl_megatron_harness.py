@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests import verl_harness as h
+from tests.helpers import verl_harness as h
 
 GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
 #: fp32 on CPU (exactness at 1e-6); bf16 on the gpu tier (compared with the re-batching noise floor)
@@ -53,10 +53,10 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     """The CPU platforms and a gloo group (on the gpu tier: verl's own CUDA platform and NCCL)."""
     if PLANTED_FAULT == "renormalise":
         plant_fault()
-    from tests import megatron_cpu_shim
+    from tests.helpers import megatron_cpu_shim
 
     if not GPU:
-        from tests import verl_cpu_shim
+        from tests.helpers import verl_cpu_shim
 
         verl_cpu_shim.install()
         megatron_cpu_shim.install()

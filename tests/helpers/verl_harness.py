@@ -301,7 +301,7 @@ def fused_types() -> tuple[type, type]:
 
 
 def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
-    from tests import verl_cpu_shim
+    from tests.helpers import verl_cpu_shim
 
     verl_cpu_shim.install()  # before anything asks verl for its platform
     init_pg(rank, world, port)
@@ -431,3 +431,77 @@ def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved
                          mini_batch_size=mini_rows * world, epochs=epochs, seed=1,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     return td
+
+
+# --- the trainer's old-logprob pass on the engine line, then the update (test_verl_logprob_passes, test_verl_megatron) ---
+
+
+def trainer_config(use_kl_loss=True, kl_loss_coef=0.0, use_kl_in_reward=False, kl_ctrl="fixed", kl_coef=0.0,
+                   mini=16, epochs=1, n=1):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss, "kl_loss_coef": kl_loss_coef,
+                                        "ppo_mini_batch_size": mini, "ppo_epochs": epochs,
+                                        "loss_agg_mode": "token-mean", "loss_scale_factor": None},
+                              "rollout": {"n": n, "temperature": 1.0}},
+        "algorithm": {"use_kl_in_reward": use_kl_in_reward, "kl_ctrl": {"type": kl_ctrl, "kl_coef": kl_coef}},
+    })
+
+
+class EngineGroup:
+    """Stands in for the actor worker group: the real TrainingWorker's forward-only pass, counted."""
+
+    world_size = 1
+
+    def __init__(self, worker):
+        self.worker, self.calls = worker, 0
+
+    def compute_log_prob(self, td):
+        from verl.utils import tensordict_utils as tu
+
+        self.calls += 1
+        from tensordict.tensorclass import NonTensorData
+
+        tu.assign_non_tensor(td, micro_batch_size_per_gpu=4,  # the log-prob pass batches differently
+                             global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()))
+        return self.worker.worker.infer_batch(td)
+
+
+def engine_old_pass_then_update(options, *, mini=16, placeholder=False, **config):
+    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update.
+    ``placeholder``: the update gets placeholder old log-probs whatever the trainer did."""
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    worker = shared_worker()
+    worker.reset_weights()
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = trainer_config(use_kl_loss=False, mini=mini, **config)
+    trainer.actor_rollout_wg = EngineGroup(worker)
+    batch = make_batch()
+    batch.pop("old_log_probs")
+    data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+    patches(options)
+    try:
+        old, mfu = trainer._compute_old_log_prob(data)
+        entropy = agg_loss(loss_mat=old.batch["entropys"], loss_mask=data.batch["response_mask"],
+                           loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
+        old.batch.pop("entropys")
+        data = data.union(old)
+        if placeholder:
+            from grpo_patches.adapters.verl import placeholder as ph
+
+            data.batch["old_log_probs"] = ph.like(data.batch["response_mask"])
+        td = left_right_2_no_padding(data.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=ROWS, mini_batch_size=mini, epochs=1,
+                             seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+        run = worker.run_td(td, "as is")
+        run.metrics = {"trainer/actor/entropy": entropy, "trainer/perf/mfu/actor_infer": mfu, **run.metrics}
+    finally:
+        patches(None)
+    run.forwards = trainer.actor_rollout_wg.calls
+    return run
