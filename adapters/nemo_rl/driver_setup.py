@@ -26,7 +26,7 @@ from . import reference, version
 from .calls import arguments
 from .settings import gradient_terms, setting
 from .state import FRAMEWORK
-from .tiled_support import unsupported_loss_settings
+from .tiled_coverage import unsupported_loss_settings
 
 #: Options that act in the workers (they read them from ``GRPO_PATCHES_OPTIONS``).
 WORKER_OPTIONS = ("zero_advantage_filter", "tiled_loss", "tile_size", "dropped_rows_metrics")

@@ -14,7 +14,7 @@ original denominators and need no weights). Then:
   least one row, so every rank makes at least one backward (an all-zero-advantage batch still
   gives zero gradients, not ``None``, and the optimizer step matches NeMo-RL's);
 * with ``dropped_rows_metrics=True`` the dropped rows follow as metrics-only micro-batches
-  (their forward runs without autograd, :mod:`.filter`), aligned over DP the same way.
+  (their forward runs without autograd, :mod:`.filter_v060`), aligned over DP the same way.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_f
     :param metrics_for_dropped: ``dropped_rows_metrics=True``: the dropped rows follow as
         metrics-only micro-batches.
     :param keep_dropped: keep the dropped rows' data in the plan (their metrics that need no
-        forward, :mod:`.kept_metrics`).
+        forward, :mod:`.metrics`).
     """
     from grpo_patches.plugins import hook
 

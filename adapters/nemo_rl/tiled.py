@@ -14,7 +14,7 @@ per-token log-probs (so every logged metric is NeMo-RL's own).
 
 Wrapped (module attributes of ``nemo_rl.models.automodel.train``, looked up at call time):
 ``forward_with_post_processing_fn``, ``apply_temperature_scaling``, ``LossPostProcessor.__call__``.
-What it does not reproduce (:mod:`.tiled_support`) keeps NeMo-RL's loss (``"auto"``) or raises (``True``).
+What it does not reproduce (:mod:`.tiled_coverage`) keeps NeMo-RL's loss (``"auto"``) or raises (``True``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from grpo_patches.errors import IncompatibleOptionsError
 from .calls import arguments
 from .settings import loss_mode
 from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
-from .tiled_support import unsupported_loss_settings, unsupported_worker_settings
+from .tiled_coverage import unsupported_loss_settings, unsupported_worker_settings
 
 
 @dataclass

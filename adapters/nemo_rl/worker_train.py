@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from grpo_patches import api
 
-from . import filter as zero_advantage_filter
+from . import filter_v060
 from . import filter_rows, tiled
 from .calls import arguments, worker_train_frame
 from .state import ACTIVE_TRAIN, FRAMEWORK, TrainCall, active_train
@@ -67,6 +67,6 @@ def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, k
     train = active_train()
     if train is not None:
         if train.filter_on:
-            zero_advantage_filter.report(train, result)
+            filter_v060.report(train, result)
         ACTIVE_TRAIN.set(None)
     return result

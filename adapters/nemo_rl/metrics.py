@@ -62,7 +62,7 @@ def _scale(kind: str, plan: GlobalBatchFilter, seqs: float, toks: float) -> floa
     return 1.0
 
 
-def adjust(metrics: dict[str, Any], loss_fn: Any, plan: GlobalBatchFilter, global_valid_seqs: Any,
+def adjust_kept_rows(metrics: dict[str, Any], loss_fn: Any, plan: GlobalBatchFilter, global_valid_seqs: Any,
            global_valid_toks: Any, prev_real: bool,
            dropped_share: Callable[[Any], dict[str, Any]] | None) -> dict[str, Any]:
     """``metrics`` of one kept micro-batch, as described in the module docstring.
