@@ -4,7 +4,7 @@ v0.5.0's ``train()`` is one inline loop: it computes ``global_valid_seqs`` / ``g
 from the global batch, then takes micro-batches from ``batch.make_microbatch_iterator(mbs)``
 (or ``make_microbatch_iterator_with_dynamic_shapes()``) and counts them from the unfiltered
 batch (``iterator_len``), so every micro-batch it gets is treated as real: DP alignment uses
-zero-weight micro-batches (:mod:`.filter_rows`).
+zero-weight micro-batches (:mod:`.filter`).
 
 The worker class itself is ``@ray.remote``-decorated in v0.5.0, and Ray ships such a class to
 the actor process *by value* (cloudpickle: the module attribute is the actor handle, not the
@@ -26,7 +26,7 @@ from grpo_patches import api, savings
 from grpo_patches.errors import IncompatibleOptionsError
 
 from .calls import worker_train_frame
-from .filter_rows import decide, plan
+from .filter import decide, plan
 from .state import COUNTERS, CURRENT_V050, FRAMEWORK
 
 

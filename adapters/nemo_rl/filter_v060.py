@@ -1,10 +1,10 @@
-"""The zero-advantage filter in the DTensor policy worker v2, v0.6.0+ (``DTensorPolicyWorkerV2Impl``).
+"""The zero-advantage filter in the DTensor policy worker v2 (``DTensorPolicyWorkerV2Impl``), v0.6.0 and later.
 
 ``train()`` computes ``global_valid_seqs`` / ``global_valid_toks`` on the whole global batch
 (``process_global_batch``, all-reduced over DP) and then asks the worker module's
 ``get_microbatch_iterator`` (imported there by name from ``nemo_rl.models.automodel.data``)
 for the micro-batches. That name is wrapped: inside a train call whose filter is on
-(:mod:`.worker_train`) it returns the micro-batches of :func:`.filter_rows.plan` through
+(:mod:`.worker_train`) it returns the micro-batches of :func:`.filter.plan` through
 NeMo-RL's own ``make_processed_microbatch_iterator``, and their count as the number of valid
 micro-batches. The same name serves ``get_logprobs``, ``score`` and ``get_topk_logits``: they
 run outside a train call and see every row.
@@ -20,13 +20,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from grpo_patches import api, savings
+from grpo_patches import api
 from grpo_patches.caller_frame import unwrap
 
 from .calls import arguments
-from .filter_rows import plan
+from .filter import plan
 from .settings import setting
-from .state import COUNTERS, FRAMEWORK, METRIC_PREFIX, PREV_IS_CURRENT, active_train
+from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
 
 
 def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -67,13 +67,3 @@ def metrics_only_forward_wrapper(wrapped: Callable[..., Any], instance: Any, arg
     with torch.no_grad():
         result, metrics, processed = wrapped(*args, **kwargs)
     return torch.zeros((), dtype=result.dtype, device=result.device, requires_grad=True), metrics, processed
-
-
-def report(train: Any, result: Any) -> None:
-    """Put a train call's counters into its returned metrics (NeMo-RL logs them) and status()."""
-    counts = {name: getattr(train, name) for name in COUNTERS}
-    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
-    if metrics is not None:
-        for name, value in counts.items():
-            metrics[METRIC_PREFIX + name] = [float(value)]
-    savings.report(FRAMEWORK, **{k: v for k, v in counts.items() if v})

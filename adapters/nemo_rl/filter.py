@@ -1,6 +1,8 @@
-"""The zero-advantage filter's micro-batches, shared by every tag's worker (v0.5.0 and v0.6.0+).
+"""The zero-advantage filter, shared by every tag's worker: its decision and its micro-batches.
 
-The rows of one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
+Each line's worker applies them: :mod:`.filter_v050` (v0.5.0), :mod:`.filter_v060` (v0.6.0+);
+the Megatron policy worker is not covered (:mod:`.filter_megatron`). :func:`decide` says
+whether the filter runs for one train call; :func:`plan` lays out its micro-batches. The rows of one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
 (denominator ``"fixed"``: NeMo-RL divides by ``global_valid_toks`` / ``global_valid_seqs``,
 all-reduced over the whole global batch before micro-batching, so the kept rows keep the
 original denominators and need no weights). Then:
