@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_patches import api
-from grpo_patches.errors import IncompatibleOptionsError, OptionError
+from grpo_patches.errors import OptionError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from .settings import denominator, gradient_terms, is_mixture_of_experts
 from .state import FRAMEWORK, GlobalBatchFilter
@@ -41,26 +42,25 @@ def decide(loss_fn: Any, worker: Any, data: Any, packing: bool, owner: Any = Non
     """Whether the filter runs for this train call.
 
     :raises IncompatibleOptionsError: ``zero_advantage_filter=True`` with a loss that gives
-        zero-advantage rows a gradient (each setting named, with the fix).
+        zero-advantage rows a gradient, or that the filter does not cover (each setting named,
+        with the fix; ``refuse_or_note``).
     """
-    from grpo_patches.zero_advantage import require_filter_compatible
+    from grpo_patches.zero_advantage import filter_problems
 
     if "advantages" not in data or "token_mask" not in data:
         return False  # not a policy-gradient loss (SFT, DPO, reward model)
     moe = is_mixture_of_experts(getattr(worker, "model", None)) or hasattr(getattr(worker, "model", None),
                                                                            "update_moe_gate_bias")
     try:
-        require_filter_compatible(gradient_terms(loss_fn, moe=moe))
+        problems = filter_problems(gradient_terms(loss_fn, moe=moe))
         denominator(loss_fn)
-        if packing:
-            raise IncompatibleOptionsError("sequence packing is not supported by the zero-advantage filter yet; "
-                                           "set policy.sequence_packing.enabled=false or pass "
-                                           "zero_advantage_filter=False (or 'auto')")
-    except (IncompatibleOptionsError, OptionError) as exc:
-        if api.strict(FRAMEWORK, "zero_advantage_filter"):
-            raise type(exc)(f"zero_advantage_filter=True: {exc}") from None
-        api.note(FRAMEWORK, "zero_advantage_filter", f"off: {exc}", owner=owner)
-        return False
+    except OptionError as exc:  # a setting that is not a number, a loss mode this adapter does not know
+        problems = [str(exc)]
+    if packing:
+        problems.append("sequence packing is not supported by the zero-advantage filter yet; "
+                        "set policy.sequence_packing.enabled=false")
+    if problems:
+        return refuse_or_note(FRAMEWORK, "zero_advantage_filter", problems, owner=owner)
     api.note(FRAMEWORK, "zero_advantage_filter", "on", owner=owner)
     return True
 

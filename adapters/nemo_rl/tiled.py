@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 from grpo_patches import api
 from grpo_patches.caller_frame import unwrap
-from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from .calls import arguments
 from .settings import loss_mode
 from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
-from .tiled_coverage import unsupported_loss_settings, unsupported_worker_settings
+from .tiled_coverage import not_reproduced, unsupported_loss_settings, unsupported_worker_settings
 
 
 @dataclass
@@ -59,12 +59,7 @@ def decide(loss_fn: Any, worker: Any) -> bool:
     problems = unsupported_loss_settings(loss_fn) + unsupported_worker_settings(
         worker, worker, getattr(worker, "sampling_params", None))
     if problems:
-        text = "; ".join(problems)
-        if api.strict(FRAMEWORK, "tiled_loss"):
-            raise IncompatibleOptionsError(f"tiled_loss=True cannot reproduce NeMo-RL's loss with: {text}. Change the "
-                                           "setting or pass tiled_loss=False (or 'auto') to grpo_patches.enable(...)")
-        api.note(FRAMEWORK, "tiled_loss", f"off: {text}")
-        return False
+        return refuse_or_note(FRAMEWORK, "tiled_loss", not_reproduced(problems))
     api.note(FRAMEWORK, "tiled_loss", "on (ClippedPGLossFn through grpo_lm_head_loss)")
     return True
 
