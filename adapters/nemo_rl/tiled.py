@@ -72,7 +72,7 @@ def _loss_options(micro: TiledMicrobatch, head: Any) -> dict[str, Any]:
     options: dict[str, Any] = dict(
         old_logps=None if on_policy else data["prev_logprobs"][:, 1:],  # on-policy: ratio 1, as NeMo-RL's
         temperature=micro.temperature,
-        loss_type=None,
+        objective="clip",  # ClippedPGLossFn's clipped ratio (dual clip: delta)
         aggregation="token-mean" if token_level else "seq-mean-token-mean",
         normalizer=float(count) + 1e-8,  # NeMo-RL's masked_mean divides by (count + 1e-8)
         epsilon_low=loss_fn.ratio_clip_min,
