@@ -22,6 +22,10 @@ Driver:
 - ``Logger.log_metrics`` / ``log_batched_dict_as_jsonl`` / ``log_plot_token_mult_prob_error``
   (``logprob_skip``): no zero placeholder logged as if real (:mod:`.honest_logs`).
 
+The zero-advantage filter's decision and micro-batches are shared by every tag's worker
+(:mod:`.filter`); the filter's counters and renamed kept-rows metrics go into NeMo-RL's own
+metrics (:mod:`.metrics`).
+
 Workers:
 
 - ``ClippedPGLossFn.__call__`` (one record per tag line, always): prev log-probs of a skipped
