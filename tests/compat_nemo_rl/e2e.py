@@ -14,7 +14,7 @@ patched (``grpo-patches run --frameworks nemo_rl --options ... -- python example
   It sees this environment's packages except grpo_patches, which reaches the worker only through
   the start-up directory on ``PYTHONPATH``;
 * :func:`assets`: a tiny fp32 Qwen2 and word-level tokenizer built in code
-  (:mod:`grpo_patches.tiny_model`) and a 12-prompt math data file whose rows say which samples
+  (:mod:`grpo_patches.demo.tiny_model`) and a 12-prompt math data file whose rows say which samples
   the generation stand-in answers right (``e2e_startup/nemo_e2e_cpu.py``);
 * what a run leaves: NeMo-RL's tensorboard scalars (its own logged metrics), the worker's
   per-call records and weights, the driver's ``status()``.
@@ -215,7 +215,7 @@ def worker_venv(root: Path) -> Path:
 def assets(root: Path, shape: Shape = CELL) -> dict[str, Path]:
     """The tiny model and tokenizer directories and the data file (``input`` / ``output`` /
     ``pattern`` / ``filler`` per prompt, in the order the runs take them)."""
-    from grpo_patches import tiny_model
+    from grpo_patches.demo import tiny_model
 
     model_dir, tokenizer_dir = root / f"tiny-qwen2-h{shape.hidden}-l{shape.layers}-s{shape.seed}", root / "tokenizer"
     if not (model_dir / "config.json").exists():
