@@ -53,9 +53,12 @@ def decide(loss_fn: Any, worker: Any, data: Any, packing: bool, owner: Any = Non
                                                                            "update_moe_gate_bias")
     try:
         problems = filter_problems(gradient_terms(loss_fn, moe=moe))
-        denominator(loss_fn)
-    except OptionError as exc:  # a setting that is not a number, a loss mode this adapter does not know
+    except OptionError as exc:  # a setting that is not a number
         problems = [str(exc)]
+    try:
+        denominator(loss_fn)
+    except OptionError as exc:  # a loss mode this adapter does not know
+        problems.append(str(exc))
     if packing:
         problems.append("sequence packing is not supported by the zero-advantage filter yet; "
                         "set policy.sequence_packing.enabled=false")
