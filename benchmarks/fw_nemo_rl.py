@@ -307,9 +307,9 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
 
     kwargs = {"policy": policy, "loss_fn": loss_fn, "master_config": config}
     if patched:
-        from grpo_patches.adapters.nemo_rl import prev_logprobs
+        from grpo_patches.adapters.nemo_rl import old_logprobs
 
-        prev_logprobs.grpo_train_wrapper(loop, None, (), kwargs)
+        old_logprobs.grpo_train_wrapper(loop, None, (), kwargs)
     else:
         loop(**kwargs)
     passes = {m: group.calls.get(m, 0) for m in ("get_logprobs", "get_reference_policy_logprobs")}

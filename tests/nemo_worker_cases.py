@@ -227,4 +227,5 @@ def tiled_refuses_or_steps_aside(tag: str, factory: Factory) -> None:
     finally:
         plugin_manager().unregister(spy)
     assert spy.calls == 0 and max_grad_rel(patched, base) == 0.0
-    assert patched.notes["tiled_loss"].startswith("off: loss_fn.reference_policy_kl_penalty=0.1")
+    assert patched.notes["tiled_loss"].startswith(
+        "off: the tiled loss does not reproduce NeMo-RL's loss with loss_fn.reference_policy_kl_penalty=0.1")

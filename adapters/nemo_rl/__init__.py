@@ -15,12 +15,16 @@ Driver:
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
 - ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
   ``Policy.get_logprobs`` (V05, V06) and v0.6.0's ``compute_and_apply_seq_logprob_error_masking``:
-  the prev-logprob pass skipped when provably on-policy (:mod:`.prev_logprobs`).
+  the prev-logprob pass skipped when provably on-policy (:mod:`.old_logprobs`).
 - ``grpo.async_grpo_train`` (``logprob_skip``): only reported (never provably on-policy).
 - ``Policy.train`` (always): checked on every call, flags the loss, collects the workers'
   counters (:mod:`.train_call`).
 - ``Logger.log_metrics`` / ``log_batched_dict_as_jsonl`` / ``log_plot_token_mult_prob_error``
   (``logprob_skip``): no zero placeholder logged as if real (:mod:`.honest_logs`).
+
+The zero-advantage filter's decision and micro-batches are shared by every tag's worker
+(:mod:`.filter`); the filter's counters and renamed kept-rows metrics go into NeMo-RL's own
+metrics (:mod:`.metrics`).
 
 Workers:
 
@@ -31,7 +35,7 @@ Workers:
   Ray copies the worker's methods into the actor class it ships, so only the module names they
   call are looked up again in the actor — these records pickle by reference).
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
-  (V06+, ``zero_advantage_filter``): :mod:`.filter`; ``BatchedDataDict`` micro-batch iterators
+  (V06+, ``zero_advantage_filter``): :mod:`.filter_v060`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
@@ -64,14 +68,14 @@ PATCHES = (
     PatchTarget(POLICY, "Policy.__init__", f"{_H}.reference:policy_init_wrapper", versions=V05_V06, option=SKIP),
     PatchTarget(POLICY, "Policy.get_reference_policy_logprobs", f"{_H}.reference:reference_logprobs_wrapper",
                 versions=V05_V06, option=SKIP),
-    PatchTarget(GRPO, "grpo_train", f"{_H}.prev_logprobs:grpo_train_wrapper", option=SKIP, caller_frame=True),
-    PatchTarget(GRPO, "async_grpo_train", f"{_H}.prev_logprobs:async_train_wrapper", option=SKIP,
+    PatchTarget(GRPO, "grpo_train", f"{_H}.old_logprobs:grpo_train_wrapper", option=SKIP, caller_frame=True),
+    PatchTarget(GRPO, "async_grpo_train", f"{_H}.old_logprobs:async_train_wrapper", option=SKIP,
                 caller_frame=True),
-    PatchTarget("nemo_rl.algorithms.opd", "_skip_prev_logprobs", f"{_H}.prev_logprobs:skip_predicate_wrapper",
+    PatchTarget("nemo_rl.algorithms.opd", "_skip_prev_logprobs", f"{_H}.old_logprobs:skip_predicate_wrapper",
                 versions=V07_UP, option=SKIP),
-    PatchTarget(POLICY, "Policy.get_logprobs", f"{_H}.prev_logprobs:get_logprobs_wrapper", versions=V05_V06,
+    PatchTarget(POLICY, "Policy.get_logprobs", f"{_H}.old_logprobs:get_logprobs_wrapper", versions=V05_V06,
                 option=SKIP),
-    PatchTarget(GRPO, "compute_and_apply_seq_logprob_error_masking", f"{_H}.prev_logprobs:seq_error_metrics_wrapper",
+    PatchTarget(GRPO, "compute_and_apply_seq_logprob_error_masking", f"{_H}.old_logprobs:seq_error_metrics_wrapper",
                 versions=V06, option=SKIP),
     PatchTarget(POLICY, "Policy.train", f"{_H}.train_call:train_wrapper"),
     PatchTarget(LOGGER, "Logger.log_metrics", f"{_H}.honest_logs:log_metrics_wrapper", option=SKIP),
@@ -86,7 +90,7 @@ PATCHES = (
                 pickle_by_reference=True),
     PatchTarget(WORKER, "aggregate_training_statistics", f"{_H}.worker_train:aggregate_wrapper", versions=V06_UP,
                 pickle_by_reference=True),
-    PatchTarget(WORKER, "get_microbatch_iterator", f"{_H}.filter:microbatch_iterator_wrapper", versions=V06_UP,
+    PatchTarget(WORKER, "get_microbatch_iterator", f"{_H}.filter_v060:microbatch_iterator_wrapper", versions=V06_UP,
                 option=FILTER, pickle_by_reference=True),
     PatchTarget(BATCH, "BatchedDataDict.make_microbatch_iterator", f"{_H}.filter_v050:microbatch_iterator_wrapper",
                 versions=V05, option=FILTER),
@@ -99,7 +103,7 @@ PATCHES = (
     PatchTarget(TRAIN, "LossPostProcessor.__call__", f"{_H}.tiled:loss_post_processor_wrapper", versions=V06_UP,
                 option=TILED),
     # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
-    PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter:metrics_only_forward_wrapper",
+    PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter_v060:metrics_only_forward_wrapper",
                 versions=V06_UP, option=FILTER, pickle_by_reference=True),
     # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),

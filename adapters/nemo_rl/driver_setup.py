@@ -18,15 +18,16 @@ from typing import Any, Callable
 
 from grpo_patches import api
 from grpo_patches.caller_frame import unwrap
-from grpo_patches.errors import GrpoPatchesError, IncompatibleOptionsError, OptionError
+from grpo_patches.errors import GrpoPatchesError, OptionError
 from grpo_patches.options import Options, parse_env_options
+from grpo_patches.refuse_or_note import refuse_or_note
 from grpo_patches.startup_path import FRAMEWORKS_ENV, OPTIONS_ENV, STARTUP_DIR_ENV
 
 from . import reference, version
 from .calls import arguments
 from .settings import gradient_terms, setting
 from .state import FRAMEWORK
-from .tiled_support import unsupported_loss_settings
+from .tiled_coverage import not_reproduced, unsupported_loss_settings
 
 #: Options that act in the workers (they read them from ``GRPO_PATCHES_OPTIONS``).
 WORKER_OPTIONS = ("zero_advantage_filter", "tiled_loss", "tile_size", "dropped_rows_metrics")
@@ -78,21 +79,18 @@ def _probe_loss(config: Any, grpo_module: Any) -> Any:
 
 
 def check_loss_options(options: Options, loss_fn: Any) -> None:
-    """``True`` options that this loss configuration would make inexact raise now."""
-    from grpo_patches.zero_advantage import require_filter_compatible
+    """``True`` options that this loss configuration would make inexact raise now (``refuse_or_note``;
+    ``"auto"`` is decided by the workers, from the loss object they receive)."""
+    from grpo_patches.zero_advantage import filter_problems
 
     if api.strict(FRAMEWORK, "zero_advantage_filter"):
-        try:
-            require_filter_compatible(gradient_terms(loss_fn))
-        except IncompatibleOptionsError as exc:
-            raise IncompatibleOptionsError(f"zero_advantage_filter=True: {exc}") from None
+        problems = filter_problems(gradient_terms(loss_fn))
+        if problems:
+            refuse_or_note(FRAMEWORK, "zero_advantage_filter", problems)
     if api.strict(FRAMEWORK, "tiled_loss"):
         problems = unsupported_loss_settings(loss_fn)
         if problems:
-            raise IncompatibleOptionsError(
-                "tiled_loss=True cannot reproduce this ClippedPGLossFn: " + "; ".join(problems)
-                + ". Change the setting or pass tiled_loss=False (or 'auto') to grpo_patches.enable(...)"
-            )
+            refuse_or_note(FRAMEWORK, "tiled_loss", not_reproduced(problems))
 
 
 def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

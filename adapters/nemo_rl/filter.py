@@ -1,79 +1,160 @@
-"""The zero-advantage filter in the DTensor policy worker v2, v0.6.0+ (``DTensorPolicyWorkerV2Impl``).
+"""The zero-advantage filter, shared by every tag's worker: its decision and its micro-batches.
 
-``train()`` computes ``global_valid_seqs`` / ``global_valid_toks`` on the whole global batch
-(``process_global_batch``, all-reduced over DP) and then asks the worker module's
-``get_microbatch_iterator`` (imported there by name from ``nemo_rl.models.automodel.data``)
-for the micro-batches. That name is wrapped: inside a train call whose filter is on
-(:mod:`.worker_train`) it returns the micro-batches of :func:`.filter_rows.plan` through
-NeMo-RL's own ``make_processed_microbatch_iterator``, and their count as the number of valid
-micro-batches. The same name serves ``get_logprobs``, ``score`` and ``get_topk_logits``: they
-run outside a train call and see every row.
+Each line's worker applies them: :mod:`.filter_v050` (v0.5.0), :mod:`.filter_v060` (v0.6.0+);
+the Megatron policy worker is not covered (:mod:`.filter_megatron`). :func:`decide` says
+whether the filter runs for one train call; :func:`plan` lays out its micro-batches. The rows of one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
+(denominator ``"fixed"``: NeMo-RL divides by ``global_valid_toks`` / ``global_valid_seqs``,
+all-reduced over the whole global batch before micro-batching, so the kept rows keep the
+original denominators and need no weights). Then:
 
-With ``dropped_rows_metrics=True`` the dropped rows follow as metrics-only micro-batches:
-``forward_with_post_processing_fn`` (``nemo_rl.models.automodel.train``) runs them without
-autograd and hands NeMo-RL a zero loss with no graph, so its ``backward()`` costs nothing and
-their metrics are NeMo-RL's own.
+* plain batching: the kept rows in chunks of ``train_micro_batch_size`` (the last one may be
+  short); dynamic batching: the driver's micro-batch ranges, each without its dropped rows
+  (an empty range disappears), truncated to the range's length as NeMo-RL does;
+* every DP rank runs the same number of micro-batches (FSDP's collectives): ranks with fewer
+  append zero-weight micro-batches (one row, ``sample_mask`` 0: loss and gradient exactly 0,
+  and NeMo-RL skips the metrics of a micro-batch with no valid sample). The hook keeps at
+  least one row, so every rank makes at least one backward (an all-zero-advantage batch still
+  gives zero gradients, not ``None``, and the optimizer step matches NeMo-RL's);
+* with ``dropped_rows_metrics=True`` the dropped rows follow as metrics-only micro-batches
+  (their forward runs without autograd, :mod:`.filter_v060`), aligned over DP the same way.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from grpo_patches import api, savings
-from grpo_patches.caller_frame import unwrap
+from grpo_patches import api
+from grpo_patches.errors import OptionError
+from grpo_patches.refuse_or_note import refuse_or_note
 
-from .calls import arguments
-from .filter_rows import plan
-from .settings import setting
-from .state import COUNTERS, FRAMEWORK, METRIC_PREFIX, PREV_IS_CURRENT, active_train
-
-
-def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``get_microbatch_iterator(data, cfg, mbs, dp_mesh, tokenizer, cp_size=1)``."""
-    train = active_train()
-    if train is None or not train.filter_on:
-        return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
-    options = api.active_options(FRAMEWORK)
-    metrics_for_dropped = bool(options and options.dropped_rows_metrics)
-    loss_fn = train.loss_fn
-    prev_real = not (getattr(loss_fn, "force_on_policy_ratio", False) or getattr(loss_fn, PREV_IS_CURRENT, False))
-    layout, own = plan(call["data"], loss_fn, int(call["mbs"]), bool(setting(call["cfg"], "dynamic_batching.enabled")),
-                       call["dp_mesh"].get_group(), metrics_for_dropped, keep_dropped=prev_real and not metrics_for_dropped)
-    train.current = own
-    train.rows_dropped += own.rows_dropped
-    train.tokens_dropped += own.tokens_dropped
-    train.microbatches_dropped += own.microbatches_dropped
-    microbatches = layout.microbatches + layout.metrics_only
-    data_module = sys.modules[unwrap(wrapped).__module__]  # nemo_rl.models.automodel.data
-    iterator = data_module.make_processed_microbatch_iterator(iter(microbatches), call["tokenizer"], call["cfg"],
-                                                              call["cp_size"])
-    return iterator, len(microbatches)
+from .settings import denominator, gradient_terms, is_mixture_of_experts
+from .state import FRAMEWORK, GlobalBatchFilter
 
 
-def metrics_only_forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``forward_with_post_processing_fn(model, post_processing_fn, processed_mb, ...)``: a
-    metrics-only micro-batch runs without autograd and returns a zero loss with no graph."""
-    train = active_train()
-    own = train.current if train is not None else None
-    if own is None or not own.metrics_only:
-        return wrapped(*args, **kwargs)
-    processed = arguments(wrapped, args, kwargs)["processed_mb"]
-    if not own.is_metrics_only(processed.data_dict):
-        return wrapped(*args, **kwargs)
+def loss_tensors(data: Any) -> tuple[Any, Any]:
+    """``(advantages, mask)`` of the loss's tokens (``[:, 1:]``, as ``ClippedPGLossFn`` slices)."""
+    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    return data["advantages"][:, 1:], mask
+
+
+def decide(loss_fn: Any, worker: Any, data: Any, packing: bool, owner: Any = None) -> bool:
+    """Whether the filter runs for this train call.
+
+    :raises IncompatibleOptionsError: ``zero_advantage_filter=True`` with a loss that gives
+        zero-advantage rows a gradient, or that the filter does not cover (each setting named,
+        with the fix; ``refuse_or_note``).
+    """
+    from grpo_patches.zero_advantage import filter_problems
+
+    if "advantages" not in data or "token_mask" not in data:
+        return False  # not a policy-gradient loss (SFT, DPO, reward model)
+    moe = is_mixture_of_experts(getattr(worker, "model", None)) or hasattr(getattr(worker, "model", None),
+                                                                           "update_moe_gate_bias")
+    try:
+        problems = filter_problems(gradient_terms(loss_fn, moe=moe))
+    except OptionError as exc:  # a setting that is not a number
+        problems = [str(exc)]
+    try:
+        denominator(loss_fn)
+    except OptionError as exc:  # a loss mode this adapter does not know
+        problems.append(str(exc))
+    if packing:
+        problems.append("sequence packing is not supported by the zero-advantage filter yet; "
+                        "set policy.sequence_packing.enabled=false")
+    if problems:
+        return refuse_or_note(FRAMEWORK, "zero_advantage_filter", problems, owner=owner)
+    api.note(FRAMEWORK, "zero_advantage_filter", "on", owner=owner)
+    return True
+
+
+def dp_reduce(values: list[float], group: Any, device: Any, op: str) -> list[float]:
+    """``values`` reduced (``"sum"`` / ``"max"``) over the DP group (themselves outside one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in tensor.tolist()]
+
+
+def zero_weight(data: Any, row: int, length: int | None = None) -> Any:
+    """One row of ``data`` whose loss is exactly 0 (``sample_mask`` 0): a DP-alignment micro-batch."""
     import torch
 
-    with torch.no_grad():
-        result, metrics, processed = wrapped(*args, **kwargs)
-    return torch.zeros((), dtype=result.dtype, device=result.device, requires_grad=True), metrics, processed
+    mb = data.select_indices([row])
+    mb["sample_mask"] = torch.zeros_like(mb["sample_mask"])
+    if length is not None:
+        mb.truncate_tensors(dim=1, truncated_len=length)
+    return mb
 
 
-def report(train: Any, result: Any) -> None:
-    """Put a train call's counters into its returned metrics (NeMo-RL logs them) and status()."""
-    counts = {name: getattr(train, name) for name in COUNTERS}
-    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
-    if metrics is not None:
-        for name, value in counts.items():
-            metrics[METRIC_PREFIX + name] = [float(value)]
-    savings.report(FRAMEWORK, **{k: v for k, v in counts.items() if v})
+@dataclass
+class Layout:
+    """The micro-batches of one global batch: trained (kept rows, then DP pads), then metrics-only."""
+
+    microbatches: list[Any] = field(default_factory=list)
+    metrics_only: list[Any] = field(default_factory=list)
+
+
+def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, int]] | None) -> list[Any]:
+    if ranges is None:
+        return [data.select_indices(rows[i:i + mbs]) for i in range(0, len(rows), mbs)]
+    chosen = set(rows)
+    out = []
+    for start, end, length in ranges:
+        inside = [r for r in range(start, end) if r in chosen]
+        if inside:
+            mb = data.select_indices(inside)
+            mb.truncate_tensors(dim=1, truncated_len=length)
+            out.append(mb)
+    return out
+
+
+def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_for_dropped: bool,
+         keep_dropped: bool = False) -> tuple[Layout, GlobalBatchFilter]:
+    """The micro-batches of one local global batch with the zero-advantage rows left out.
+
+    :param metrics_for_dropped: ``dropped_rows_metrics=True``: the dropped rows follow as
+        metrics-only micro-batches.
+    :param keep_dropped: keep the dropped rows' data in the plan (their metrics that need no
+        forward, :mod:`.metrics`).
+    """
+    from grpo_patches.plugins import hook
+
+    advantages, mask = loss_tensors(data)
+    choice = hook().grpo_filter_zero_advantage(advantages=advantages, mask=mask, denominator=denominator(loss_fn),
+                                               group=group)
+    rows = int(data["input_ids"].shape[0])
+    keep = list(range(rows)) if choice is None else [int(i) for i in choice.keep.tolist()]
+    dropped = sorted(set(range(rows)) - set(keep))
+    ranges = None
+    if dynamic:
+        ranges = [(int(s), int(e), int(n)) for n, (s, e) in zip(data.micro_batch_lengths[0], data.micro_batch_indices[0])]
+    device = data["input_ids"].device
+    kept_mbs = _chunks(data, keep, mbs, ranges)
+    drop_mbs = _chunks(data, dropped, mbs, ranges) if metrics_for_dropped else []
+    counts = mask.sum(dim=1).tolist()
+    kept_seqs = float(data["sample_mask"][keep].sum()) if keep else 0.0
+    n_kept, n_drop = (int(v) for v in dp_reduce([len(kept_mbs), len(drop_mbs)], group, device, "max"))
+    seqs, toks = dp_reduce([kept_seqs, float(sum(counts[i] for i in keep))], group, device, "sum")
+    shortest = min(range(rows), key=lambda r: (counts[r], r))
+    length = min(n for _, _, n in ranges) if ranges else None  # dynamic batching: a short pad
+    layout = Layout()
+    layout.microbatches = kept_mbs + [zero_weight(data, shortest, length) for _ in range(n_kept - len(kept_mbs))]
+    pads = [zero_weight(data, shortest, length) for _ in range(n_drop - len(drop_mbs))]
+    layout.metrics_only = drop_mbs + pads
+    upstream = len(ranges) if ranges is not None else rows // mbs
+    own = GlobalBatchFilter(
+        rows_dropped=len(dropped),
+        tokens_dropped=int(sum(counts[i] for i in dropped)),
+        microbatches_dropped=upstream - len(layout.microbatches),
+        kept_seqs=seqs,
+        kept_toks=toks,
+        dropped_seqs=float(data["sample_mask"][dropped].sum()) if dropped else 0.0,
+        dropped=data.select_indices(dropped) if keep_dropped and dropped else None,
+    )
+    own.metrics_only = list(layout.metrics_only)
+    return layout, own

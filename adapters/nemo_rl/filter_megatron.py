@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from grpo_patches import api
-from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from .calls import arguments
 from .settings import setting
@@ -28,9 +28,5 @@ def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     config = arguments(wrapped, args, kwargs)["master_config"]
     if options is not None and options.zero_advantage_filter is not False \
             and setting(config, "policy.megatron_cfg.enabled", False):
-        # refuse-or-note
-        if api.strict(FRAMEWORK, "zero_advantage_filter"):
-            raise IncompatibleOptionsError(f"zero_advantage_filter=True: {WHY}. Use the DTensor worker or pass "
-                                           "zero_advantage_filter=False (or 'auto') to grpo_patches")
-        api.note(FRAMEWORK, "zero_advantage_filter", f"off: {WHY}")
+        refuse_or_note(FRAMEWORK, "zero_advantage_filter", f"{WHY}; use the DTensor worker")
     return wrapped(*args, **kwargs)

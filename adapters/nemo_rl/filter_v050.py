@@ -4,7 +4,7 @@ v0.5.0's ``train()`` is one inline loop: it computes ``global_valid_seqs`` / ``g
 from the global batch, then takes micro-batches from ``batch.make_microbatch_iterator(mbs)``
 (or ``make_microbatch_iterator_with_dynamic_shapes()``) and counts them from the unfiltered
 batch (``iterator_len``), so every micro-batch it gets is treated as real: DP alignment uses
-zero-weight micro-batches (:mod:`.filter_rows`).
+zero-weight micro-batches (:mod:`.filter`).
 
 The worker class itself is ``@ray.remote``-decorated in v0.5.0, and Ray ships such a class to
 the actor process *by value* (cloudpickle: the module attribute is the actor handle, not the
@@ -23,10 +23,10 @@ from types import FrameType
 from typing import Any, Callable
 
 from grpo_patches import api, savings
-from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from .calls import worker_train_frame
-from .filter_rows import decide, plan
+from .filter import decide, plan
 from .state import COUNTERS, CURRENT_V050, FRAMEWORK
 
 
@@ -41,10 +41,8 @@ def _filtered(wrapped: Callable[..., Any], batch: Any, args: tuple, kwargs: dict
     on = (options is not None and options.zero_advantage_filter is not False and not local.get("eval_mode", False)
           and type(loss_fn).__name__ == "ClippedPGLossFn")
     if on and options.dropped_rows_metrics:
-        if api.strict(FRAMEWORK, "zero_advantage_filter"):
-            raise IncompatibleOptionsError("zero_advantage_filter=True with dropped_rows_metrics=True needs NeMo-RL "
-                                           ">= 0.6.0; pass dropped_rows_metrics=False or zero_advantage_filter='auto'")
-        api.note(FRAMEWORK, "zero_advantage_filter", "off: dropped_rows_metrics=True needs NeMo-RL >= 0.6.0")
+        refuse_or_note(FRAMEWORK, "zero_advantage_filter", "dropped_rows_metrics=True needs NeMo-RL >= 0.6.0; "
+                       "pass dropped_rows_metrics=False")
         on = False
     on = on and decide(loss_fn, worker, batch, packing=bool(getattr(worker, "enable_seq_packing", False)))
     if not on:

@@ -5,7 +5,7 @@ kept-rows value, :data:`~.train_call.READ_BY_LOOP`, is never logged under the al
 
 When the pass is skipped (by grpo_patches, or by NeMo-RL's own ``force_on_policy_ratio``),
 ``train_data["prev_logprobs"]`` holds zeros and NeMo-RL fills the sequence-level log-prob
-error metrics with zeros (v0.7.0+; v0.6.0 through :mod:`.prev_logprobs`). Inside
+error metrics with zeros (v0.7.0+; v0.6.0 through :mod:`.old_logprobs`). Inside
 ``grpo_train`` these ``Logger`` methods then leave them out: the placeholder metrics, the
 ``prev_logprobs`` column of the step's jsonl dump, and the token-error plot (it plots prev
 against generation log-probs). The loss's own ``token_mult_prob_error`` is real (the loss

@@ -12,7 +12,7 @@ One record per tag line (the loss moved and changed signature):
   DTensor logits).
 * v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to do there.
 * Under the zero-advantage filter (``dropped_rows_metrics=False``) the metrics are made honest
-  by :mod:`.kept_metrics`; on v0.5.0 the filter's counters ride on the first micro-batch's
+  by :mod:`.metrics`; on v0.5.0 the filter's counters ride on the first micro-batch's
   metrics (its worker has no other way back, see :mod:`.filter_v050`).
 """
 
@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from grpo_patches import api
 
-from . import kept_metrics
 from .calls import arguments
+from .metrics import adjust_kept_rows
 from .state import (
     COUNTERS,
     CURRENT_V050,
@@ -97,8 +97,8 @@ def _finish(wrapped: Callable[..., Any], instance: Any, call: dict[str, Any], su
         return loss, metrics
     if not options.dropped_rows_metrics:
         prev_real = not (getattr(instance, "force_on_policy_ratio", False) or getattr(instance, PREV_IS_CURRENT, False))
-        metrics = kept_metrics.adjust(metrics, instance, plan, call["global_valid_seqs"], call["global_valid_toks"],
-                                      prev_real, _dropped_share(wrapped, call) if share else None)
+        metrics = adjust_kept_rows(metrics, instance, plan, call["global_valid_seqs"], call["global_valid_toks"],
+                                   prev_real, _dropped_share(wrapped, call) if share else None)
     if active_train() is None and not plan.counters_sent:  # v0.5.0: NeMo-RL divides by the global batches
         plan.counters_sent = True
         metrics = {**metrics, **{METRIC_PREFIX + name: float(getattr(plan, name)) * plan.global_batches

@@ -62,7 +62,7 @@ class LoopState:
 
     :ivar policy: the driver's ``Policy``; :ivar loss_fn: the loss object; :ivar config: ``master_config``.
     :ivar on_policy: why the prev-logprob pass may be skipped (``None``: it may), decided once
-        per call from the config (:mod:`.prev_logprobs`).
+        per call from the config (:mod:`.old_logprobs`).
     :ivar prev: this step's prev-logprob pass: ``"run"``, ``"skipped"`` (by grpo_patches),
         ``"upstream"`` (NeMo-RL's own ``force_on_policy_ratio``) or ``"late"`` (skipped, then
         run at train time because the train call made more than one optimizer step).
@@ -102,7 +102,7 @@ class GlobalBatchFilter:
     :ivar metrics_only: the micro-batches that only give metrics (no gradient).
     :ivar dropped_seqs: valid samples among the dropped rows (``sample_mask`` sum).
     :ivar dropped: the dropped rows (v0.6.0+, real prev log-probs): their metrics that need no
-        forward are added exactly by the first loss call of the global batch (:mod:`.kept_metrics`).
+        forward are added exactly by the first loss call of the global batch (:mod:`.metrics`).
     :ivar seen: the first loss call of the global batch happened (it carries the additions).
     :ivar counters_sent: v0.5.0: the counters rode on a micro-batch's metrics already.
     :ivar global_batches: how many global batches the train call has (v0.5.0's metric scale).

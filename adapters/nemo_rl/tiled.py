@@ -14,7 +14,7 @@ per-token log-probs (so every logged metric is NeMo-RL's own).
 
 Wrapped (module attributes of ``nemo_rl.models.automodel.train``, looked up at call time):
 ``forward_with_post_processing_fn``, ``apply_temperature_scaling``, ``LossPostProcessor.__call__``.
-What it does not reproduce (:mod:`.tiled_support`) keeps NeMo-RL's loss (``"auto"``) or raises (``True``).
+What it does not reproduce (:mod:`.tiled_coverage`) keeps NeMo-RL's loss (``"auto"``) or raises (``True``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 from grpo_patches import api
 from grpo_patches.caller_frame import unwrap
-from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.refuse_or_note import refuse_or_note
 
 from .calls import arguments
 from .settings import loss_mode
 from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
-from .tiled_support import unsupported_loss_settings, unsupported_worker_settings
+from .tiled_coverage import not_reproduced, unsupported_loss_settings, unsupported_worker_settings
 
 
 @dataclass
@@ -59,12 +59,7 @@ def decide(loss_fn: Any, worker: Any) -> bool:
     problems = unsupported_loss_settings(loss_fn) + unsupported_worker_settings(
         worker, worker, getattr(worker, "sampling_params", None))
     if problems:
-        text = "; ".join(problems)
-        if api.strict(FRAMEWORK, "tiled_loss"):
-            raise IncompatibleOptionsError(f"tiled_loss=True cannot reproduce NeMo-RL's loss with: {text}. Change the "
-                                           "setting or pass tiled_loss=False (or 'auto') to grpo_patches.enable(...)")
-        api.note(FRAMEWORK, "tiled_loss", f"off: {text}")
-        return False
+        return refuse_or_note(FRAMEWORK, "tiled_loss", not_reproduced(problems))
     api.note(FRAMEWORK, "tiled_loss", "on (ClippedPGLossFn through grpo_lm_head_loss)")
     return True
 
@@ -77,7 +72,7 @@ def _loss_options(micro: TiledMicrobatch, head: Any) -> dict[str, Any]:
     options: dict[str, Any] = dict(
         old_logps=None if on_policy else data["prev_logprobs"][:, 1:],  # on-policy: ratio 1, as NeMo-RL's
         temperature=micro.temperature,
-        loss_type=None,
+        objective="clip",  # ClippedPGLossFn's clipped ratio (dual clip: delta)
         aggregation="token-mean" if token_level else "seq-mean-token-mean",
         normalizer=float(count) + 1e-8,  # NeMo-RL's masked_mean divides by (count + 1e-8)
         epsilon_low=loss_fn.ratio_clip_min,

@@ -1,6 +1,6 @@
 """``Policy.train`` on the driver: one train call per step, checked every time.
 
-* A step whose prev-logprob pass was skipped (:mod:`.prev_logprobs`) trains only if the call
+* A step whose prev-logprob pass was skipped (:mod:`.old_logprobs`) trains only if the call
   makes exactly one optimizer step (``data.size // gbs == 1``): the skip is exact only then.
   Otherwise the pass runs here after all, before training (the weights are still the ones
   that generated the batch, so it computes what the skipped pass would have).
@@ -29,7 +29,7 @@ from grpo_patches.errors import GrpoPatchesError
 
 from . import version
 from .calls import arguments
-from .prev_logprobs import train_batch_size
+from .old_logprobs import train_batch_size
 from .state import (
     ACTIVE_LOOP,
     COUNTERS,

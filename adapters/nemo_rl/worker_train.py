@@ -30,7 +30,8 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import filter as zero_advantage_filter
-from . import filter_rows, tiled
+from . import tiled
+from .metrics import report_filter_counters
 from .calls import arguments, worker_train_frame
 from .state import ACTIVE_TRAIN, FRAMEWORK, TrainCall, active_train
 
@@ -44,7 +45,7 @@ def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
     if options is not None and not local.get("eval_mode", False) and policy_gradient:
         if options.zero_advantage_filter is not False:
             packing = bool(getattr(worker, "enable_seq_packing", False))
-            train.filter_on = filter_rows.decide(loss_fn, worker, data, packing)
+            train.filter_on = zero_advantage_filter.decide(loss_fn, worker, data, packing)
         if options.tiled_loss is not False:
             train.tiled_on = tiled.decide(loss_fn, worker)
     return train
@@ -67,6 +68,6 @@ def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, k
     train = active_train()
     if train is not None:
         if train.filter_on:
-            zero_advantage_filter.report(train, result)
+            report_filter_counters(train, result)
         ACTIVE_TRAIN.set(None)
     return result

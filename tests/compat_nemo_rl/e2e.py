@@ -80,19 +80,22 @@ class Shape:
 CELL = Shape()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: all bound at once (one at a time, the OS may give one twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
-def _free_range(size: int = 100) -> int:
-    """The first port of ``size`` consecutive free ports (Ray's worker port range)."""
+def _free_range(size: int = 100, avoid: tuple[int, ...] = ()) -> int:
+    """The first port of ``size`` consecutive free ports (Ray's worker port range), none in ``avoid``."""
     import random
 
     for _ in range(50):
         start = random.randrange(40000, 59000)
-        ok = True
+        ok = not any(start <= port < start + size for port in avoid)
         for port in range(start, start + size):
             with socket.socket() as s:
                 try:
@@ -110,13 +113,13 @@ class RayCluster:
 
     def __init__(self, num_cpus: int = 8, num_gpus: int = 1) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="nemo-e2e-ray-", dir="/tmp")  # short: Ray's socket paths
-        self.port = free_port()
+        self.port, *fixed = free_ports(8)
         self.address = f"127.0.0.1:{self.port}"
-        low = _free_range()
-        ports = {"--node-manager-port": free_port(), "--object-manager-port": free_port(),
-                 "--runtime-env-agent-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
-                 "--dashboard-agent-listen-port": free_port(), "--metrics-export-port": free_port(),
-                 "--ray-client-server-port": free_port(), "--min-worker-port": low, "--max-worker-port": low + 99}
+        low = _free_range(avoid=(self.port, *fixed))
+        names = ("--node-manager-port", "--object-manager-port", "--runtime-env-agent-port",
+                 "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port", "--metrics-export-port",
+                 "--ray-client-server-port")
+        ports = {**dict(zip(names, fixed)), "--min-worker-port": low, "--max-worker-port": low + 99}
         self.command = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; "
                         "main()", "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
                         f"--temp-dir={self.temp_dir}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",

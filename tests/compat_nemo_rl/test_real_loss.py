@@ -68,7 +68,7 @@ def test_every_patch_record_resolves_on_this_source():
                          ids=["token", "sequence", "dual-clip", "importance-sampling"])
 def test_kept_rows_with_the_original_denominators_give_the_real_gradient(overrides, record_property):
     """The filter's premise, on the real loss: zero-advantage rows left out, the global counts kept."""
-    from grpo_patches.adapters.nemo_rl.filter_rows import loss_tensors
+    from grpo_patches.adapters.nemo_rl.filter import loss_tensors
     from grpo_patches.adapters.nemo_rl.settings import denominator
 
     data = batched(make_batch())

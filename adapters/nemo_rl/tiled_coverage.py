@@ -65,3 +65,8 @@ def unsupported_worker_settings(worker: Any, post_processor: Any, sampling_param
         if value is not None and not (name == "logit_scale" and value == 1.0):
             problems.append(f"model config {name}={value} (a logit transform)")
     return problems
+
+
+def not_reproduced(problems: list[str]) -> str:
+    """The reason the tiled loss is off (or refused) for these settings, for ``refuse_or_note``."""
+    return "the tiled loss does not reproduce NeMo-RL's loss with " + "; ".join(problems)

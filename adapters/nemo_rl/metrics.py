@@ -1,6 +1,12 @@
-"""The loss metrics of a micro-batch the zero-advantage filter reshaped (``dropped_rows_metrics=False``).
+"""grpo_patches in NeMo-RL's own metrics: the filter's counters, and renamed kept-rows metrics.
 
-NeMo-RL's ``ClippedPGLossFn`` reports means divided by the *global* counts, and the worker
+* :func:`report_filter_counters`: the zero-advantage filter's counters of one worker train
+  call (v0.6.0+) go into the metrics ``train`` returns (``grpo_patches/<counter>``, logged by
+  NeMo-RL) and into the worker's savings (v0.5.0: :mod:`.loss_call`; the driver's counter of
+  skipped prev-logprob passes: :mod:`.train_call`; placeholders kept out of the logs:
+  :mod:`.honest_logs`).
+* :func:`adjust_kept_rows`: the loss metrics of a micro-batch the zero-advantage filter
+  reshaped (``dropped_rows_metrics=False``). NeMo-RL's ``ClippedPGLossFn`` reports means divided by the *global* counts, and the worker
 sums them over micro-batches; without the dropped rows each would silently become "sum over
 the kept rows / all rows". The shared meaning of ``dropped_rows_metrics`` (see
 :class:`grpo_patches.options.Options`) is kept instead:
@@ -22,8 +28,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from grpo_patches import savings
+
 from .settings import loss_mode
-from .state import GlobalBatchFilter
+from .state import COUNTERS, FRAMEWORK, METRIC_PREFIX, GlobalBatchFilter
 
 SUFFIX = "/kept_rows"
 UNCHANGED = ("loss", "kl_penalty", "positive_nll_loss")
@@ -62,7 +70,7 @@ def _scale(kind: str, plan: GlobalBatchFilter, seqs: float, toks: float) -> floa
     return 1.0
 
 
-def adjust(metrics: dict[str, Any], loss_fn: Any, plan: GlobalBatchFilter, global_valid_seqs: Any,
+def adjust_kept_rows(metrics: dict[str, Any], loss_fn: Any, plan: GlobalBatchFilter, global_valid_seqs: Any,
            global_valid_toks: Any, prev_real: bool,
            dropped_share: Callable[[Any], dict[str, Any]] | None) -> dict[str, Any]:
     """``metrics`` of one kept micro-batch, as described in the module docstring.
@@ -90,3 +98,13 @@ def adjust(metrics: dict[str, Any], loss_fn: Any, plan: GlobalBatchFilter, globa
         value = out.pop(key)
         out[key + SUFFIX] = value * _scale(normalization(loss_fn, key), plan, seqs, toks)
     return out
+
+
+def report_filter_counters(train: Any, result: Any) -> None:
+    """Put a train call's counters into its returned metrics (NeMo-RL logs them) and status()."""
+    counts = {name: getattr(train, name) for name in COUNTERS}
+    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
+    if metrics is not None:
+        for name, value in counts.items():
+            metrics[METRIC_PREFIX + name] = [float(value)]
+    savings.report(FRAMEWORK, **{k: v for k, v in counts.items() if v})
