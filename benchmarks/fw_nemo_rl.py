@@ -15,7 +15,7 @@ reference log-probs, sequence error metrics, advantages, train). Emulated: the l
 itself, ``grpo.setup`` (the config it leaves: one optimizer step per rollout batch, KL
 penalty 0; v0.7.0+ then skips the reference pass itself, v0.6.0 runs it on a reference copy
 of the initial weights) and the worker's ``__init__`` (``tests/compat_nemo_rl/harness.py``:
-CPU shim, ``real_worker``; imported from the tests, as are ``tests/nemo_worker_harness.py``
+CPU shim, ``real_worker``; imported from the tests, as are ``tests/helpers/nemo_worker_harness.py``
 and ``tests/nemo_fake.master_config``); ``prepare_for_lp_inference`` / ``prepare_for_training``
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
@@ -118,7 +118,7 @@ def _setup(tag: str, spec: dict[str, Any], patched: bool) -> tuple[Any, Any]:
     model decided as ``setup`` / ``Policy.__init__`` decide (through the adapter's wrappers when patched)."""
     from nemo_rl.models.policy.lm_policy import Policy
 
-    from tests.nemo_fake import master_config
+    from tests.helpers.nemo_fake import master_config
 
     old = tag in ("v0.5.0", "v0.6.0")
     rows = spec["prompts"] * spec["generations"]
@@ -283,7 +283,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     import grpo_patches
     from grpo_patches import registry
     from grpo_patches.demo import tiny_model
-    from tests.nemo_worker_harness import make_loss
+    from tests.helpers.nemo_worker_harness import make_loss
 
     if patched:
         grpo_patches.enable("nemo_rl")  # the defaults

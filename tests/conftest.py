@@ -1,3 +1,3 @@
-"""Shared fixtures: the NeMo-RL stand-in (``fake_nemo``, :mod:`tests.nemo_fixtures`)."""
+"""Shared fixtures: the NeMo-RL stand-in (``fake_nemo``, :mod:`tests.helpers.nemo_fixtures`)."""
 
-pytest_plugins = ["tests.nemo_fixtures"]
+pytest_plugins = ["tests.helpers.nemo_fixtures"]

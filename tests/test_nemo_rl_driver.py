@@ -13,8 +13,8 @@ import torch
 import grpo_patches
 from grpo_patches import savings
 from grpo_patches.adapters.nemo_rl.honest_logs import PLACEHOLDER_METRICS
-from tests.nemo_fake import TAGS, master_config
-from tests.nemo_worker_harness import make_batch, rel
+from tests.helpers.nemo_fake import TAGS, master_config
+from tests.helpers.nemo_worker_harness import make_batch, rel
 
 TOL = 1e-6
 STEPS = 2

@@ -1,6 +1,6 @@
 """NeMo-RL's Megatron policy worker: the zero-advantage filter does not cover it yet, and says so.
 
-On each tag's stand-in (:mod:`tests.nemo_fake`), ``grpo.setup`` with ``policy.megatron_cfg.enabled``:
+On each tag's stand-in (:mod:`tests.helpers.nemo_fake`), ``grpo.setup`` with ``policy.megatron_cfg.enabled``:
 ``"auto"`` notes it in ``status()``, ``True`` raises before training, a DTensor policy gets no note.
 """
 
@@ -12,8 +12,8 @@ import pytest
 
 import grpo_patches
 from grpo_patches.errors import IncompatibleOptionsError
-from tests import nemo_fake
-from tests.nemo_fixtures import fake_nemo  # noqa: F401  (fixture)
+from tests.helpers import nemo_fake
+from tests.helpers.nemo_fixtures import fake_nemo  # noqa: F401  (fixture)
 
 
 def _setup(tag: str, megatron: bool):

@@ -9,7 +9,7 @@ import pytest
 import grpo_patches
 from grpo_patches import registry
 from grpo_patches.errors import UnsupportedFrameworkError
-from tests import nemo_fake
+from tests.helpers import nemo_fake
 
 
 @pytest.mark.parametrize("tag", nemo_fake.TAGS)

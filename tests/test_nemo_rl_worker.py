@@ -1,4 +1,4 @@
-"""The NeMo-RL adapter in the DTensor policy worker, on the stand-in of every tag (:mod:`tests.nemo_fake`).
+"""The NeMo-RL adapter in the DTensor policy worker, on the stand-in of every tag (:mod:`tests.helpers.nemo_fake`).
 
 The same cases run against the real NeMo-RL source in the compat cells (``tests/compat_nemo_rl``).
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests import nemo_worker_cases as cases
-from tests.nemo_fake import TAGS
-from tests.nemo_worker_harness import fake_worker
+from tests.helpers import nemo_worker_cases as cases
+from tests.helpers.nemo_fake import TAGS
+from tests.helpers.nemo_worker_harness import fake_worker
 
 NEW = [t for t in TAGS if t != "v0.5.0"]
 
@@ -80,7 +80,7 @@ def test_v050_filter_acts_only_inside_the_v2_workers_train(fake_nemo):
     """v0.5.0's filter wraps ``BatchedDataDict`` (shared by every worker): another worker's
     ``train()`` with a policy-gradient loss must still get every row."""
     import grpo_patches
-    from tests.nemo_worker_harness import batched, make_batch, make_loss
+    from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
 
     fake_nemo("v0.5.0")
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
@@ -99,7 +99,7 @@ def test_a_train_call_that_raised_leaves_no_filter_behind(fake_nemo, tag):
     wraps the whole call): one that raised never ended, yet a later ``get_logprobs`` sees every row."""
     import grpo_patches
     from grpo_patches.adapters.nemo_rl.state import ACTIVE_TRAIN
-    from tests.nemo_worker_harness import batched, make_batch, make_loss
+    from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
 
     fake_nemo(tag)
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True)

@@ -184,3 +184,11 @@ def test_the_checker_sees_a_test_module_import(tmp_path):
     sample = tmp_path / "test_x.py"
     sample.write_text("def f():\n    from tests.test_trl_filter import run\n")
     assert "tests.test_trl_filter" in _imported_modules(sample)
+
+
+def test_shared_test_code_lives_in_tests_helpers():
+    """``tests/`` holds test modules, ``conftest.py`` and the NeMo-RL cells' package; every
+    harness or stand-in two test modules share is under ``tests/helpers/``."""
+    loose = sorted(p.name for p in (ROOT / "tests").glob("*.py")
+                   if not p.name.startswith("test_") and p.name not in ("__init__.py", "conftest.py"))
+    assert loose == []

@@ -25,7 +25,7 @@ def _train(rank: int, port: int) -> dict:
 
     import grpo_patches
     from tests.compat_nemo_rl import harness
-    from tests.nemo_worker_harness import batched, make_batch, make_loss, max_grad_rel, run_train
+    from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss, max_grad_rel, run_train
 
     torch.set_num_threads(1)
     tag = harness.setup()

@@ -6,7 +6,7 @@
 * :func:`real_worker`: the real ``DTensorPolicyWorkerV2(Impl)`` object built without Ray and
   without its ``__init__`` (which needs GPUs and an Automodel checkpoint), holding a tiny
   Qwen2 (optionally FSDP2-sharded) and the attributes ``train()`` reads; same signature as
-  the stand-in's factory, so :mod:`tests.nemo_worker_cases` runs on both.
+  the stand-in's factory, so :mod:`tests.helpers.nemo_worker_cases` runs on both.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, tem
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.nemo_worker_harness import worker_class
+    from tests.helpers.nemo_worker_harness import worker_class
 
     init_gloo()
     model = tiny_qwen2(tied=tied)

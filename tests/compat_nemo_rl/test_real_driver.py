@@ -16,8 +16,8 @@ import torch
 import grpo_patches
 from grpo_patches.adapters.nemo_rl.state import ACTIVE_LOOP, LoopState, policy_state
 from tests.compat_nemo_rl import harness
-from tests.nemo_fake import master_config
-from tests.nemo_worker_harness import batched, make_batch, make_loss
+from tests.helpers.nemo_fake import master_config
+from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
 
 TAG = harness.setup()
 OLD = TAG in ("v0.5.0", "v0.6.0")

@@ -15,8 +15,8 @@ import grpo_patches
 from grpo_patches import registry
 from grpo_patches.plugins import hook
 from tests.compat_nemo_rl import harness
-from tests.nemo_fake import READS_AS
-from tests.nemo_worker_harness import batched, make_batch, make_loss, rel
+from tests.helpers.nemo_fake import READS_AS
+from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss, rel
 
 TAG = harness.setup()
 TOL = 1e-6

@@ -1,6 +1,6 @@
 """The NeMo-RL adapter in the real ``DTensorPolicyWorkerV2`` ``train()``, in-process (gloo, CPU).
 
-The cases are those the stand-in runs (:mod:`tests.nemo_worker_cases`), here on the real
+The cases are those the stand-in runs (:mod:`tests.helpers.nemo_worker_cases`), here on the real
 worker of the tag on the path with a tiny Qwen2; plus FSDP2 (the model's real forward with its
 unshard hooks) and two data-parallel ranks that keep different numbers of rows.
 """
@@ -14,7 +14,7 @@ import socket
 import pytest
 
 import grpo_patches
-from tests import nemo_worker_cases as cases
+from tests.helpers import nemo_worker_cases as cases
 from tests.compat_nemo_rl import harness
 from tests.compat_nemo_rl.dp2 import run_ranks
 

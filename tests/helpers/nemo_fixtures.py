@@ -1,4 +1,4 @@
-"""Fixtures for the NeMo-RL adapter's tests on the stand-in (:mod:`tests.nemo_fake`).
+"""Fixtures for the NeMo-RL adapter's tests on the stand-in (:mod:`tests.helpers.nemo_fake`).
 
 ``fake_nemo(tag)`` puts that tag's stand-in first on ``sys.path`` and returns a namespace of
 helpers; afterwards the patches are undone and every ``nemo_rl`` module is forgotten, so the
@@ -16,7 +16,7 @@ import pytest
 
 import grpo_patches
 from grpo_patches import savings
-from tests import nemo_fake
+from tests.helpers import nemo_fake
 
 
 def _forget_nemo() -> None:

@@ -1,5 +1,5 @@
 """The stand-in NeMo-RL's Automodel training helpers and DTensor policy workers, as source text
-(see :mod:`tests.nemo_fake`)."""
+(see :mod:`tests.helpers.nemo_fake`)."""
 
 # v0.6.0+ ``nemo_rl.models.automodel.data``
 AUTOMODEL_DATA = '''

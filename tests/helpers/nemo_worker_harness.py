@@ -2,7 +2,7 @@
 
 ``run_train`` builds a fresh model, loss and worker, trains one call and returns the
 gradient of every optimizer step, the metrics NeMo-RL returns and how many rows went through
-the model. The stand-in builds its worker directly (:mod:`tests.nemo_fake`); the real-source
+the model. The stand-in builds its worker directly (:mod:`tests.helpers.nemo_fake`); the real-source
 tests pass their own ``make_worker`` (``tests/compat_nemo_rl/harness.py``).
 """
 

@@ -1,4 +1,4 @@
-"""The stand-in NeMo-RL's data container, loss and tiny model, as source text (see :mod:`tests.nemo_fake`)."""
+"""The stand-in NeMo-RL's data container, loss and tiny model, as source text (see :mod:`tests.helpers.nemo_fake`)."""
 
 BATCHED_DATA_DICT = '''
 from collections import UserDict

@@ -24,8 +24,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from tests.nemo_fake_loss import BATCHED_DATA_DICT, CALL_V05, CALL_V06, LOSS, LOSS_PACKAGE_INIT, LOSS_UTILS, MODEL
-from tests.nemo_fake_worker import AUTOMODEL_DATA, AUTOMODEL_TRAIN, WORKER_V05, WORKER_V06
+from tests.helpers.nemo_fake_loss import BATCHED_DATA_DICT, CALL_V05, CALL_V06, LOSS, LOSS_PACKAGE_INIT, LOSS_UTILS, MODEL
+from tests.helpers.nemo_fake_worker import AUTOMODEL_DATA, AUTOMODEL_TRAIN, WORKER_V05, WORKER_V06
 
 TAGS = ("v0.5.0", "v0.6.0", "v0.7.0", "main")
 VERSIONS = {"v0.5.0": (0, 5, 0, "rc0"), "v0.6.0": (0, 6, 0, ""), "v0.7.0": (0, 7, 0, ""), "main": (0, 6, 0, "")}

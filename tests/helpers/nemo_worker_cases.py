@@ -16,7 +16,7 @@ import torch
 import grpo_patches
 from grpo_patches import plugin_manager, savings
 from grpo_patches.errors import IncompatibleOptionsError
-from tests.nemo_worker_harness import (
+from tests.helpers.nemo_worker_harness import (
     ZERO_ROWS,
     make_batch,
     make_loss,
@@ -129,7 +129,7 @@ def filter_steps_aside_for_the_nll_term(tag: str, factory: Factory) -> None:
 
 
 def eval_mode_and_logprobs_see_every_row(tag: str, factory: Factory) -> None:
-    from tests.nemo_worker_harness import batched
+    from tests.helpers.nemo_worker_harness import batched
 
     batch = make_batch()
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
@@ -146,7 +146,7 @@ def eval_mode_and_logprobs_see_every_row(tag: str, factory: Factory) -> None:
 def on_policy_prev_equals_a_real_pass(tag: str, factory: Factory, record_property: Callable) -> None:
     """The flags the driver sets when it skips the prev pass give the step a real pass gives."""
     from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT
-    from tests.nemo_worker_harness import batched
+    from tests.helpers.nemo_worker_harness import batched
 
     batch = make_batch()
     with torch.no_grad():
