@@ -105,12 +105,10 @@ def resolve_options(**kwargs: Any) -> LossOptions:
 
     :raises OptionError: an unknown option or value, naming the valid ones.
     """
-    # TRL's loss_type presets live in the TRL adapter; None ("no preset") is still accepted
-    # from the adapters that pass it (verl, NeMo-RL)
-    loss_type = kwargs.pop("loss_type", None)
-    if loss_type is not None:
+    # TRL's loss_type presets live in the TRL adapter: the core speaks objective / aggregation
+    if "loss_type" in kwargs:
         raise OptionError(
-            f"loss_type={loss_type!r} is not an option of the tiled loss: pass objective= and aggregation= "
+            f"loss_type={kwargs['loss_type']!r} is not an option of the tiled loss: pass objective= and aggregation= "
             "(TRL's loss_type names map onto them: grpo_patches.adapters.trl.loss_types.tiled_loss_preset)"
         )
     known = {f.name for f in fields(LossOptions)}
