@@ -16,7 +16,7 @@ itself, ``grpo.setup`` (the config it leaves: one optimizer step per rollout bat
 penalty 0; v0.7.0+ then skips the reference pass itself, v0.6.0 runs it on a reference copy
 of the initial weights) and the worker's ``__init__`` (``tests/compat_nemo_rl/harness.py``:
 CPU shim, ``real_worker``; imported from the tests, as are ``tests/helpers/nemo_worker_harness.py``
-and ``tests/nemo_fake.master_config``); ``prepare_for_lp_inference`` / ``prepare_for_training``
+and ``tests/helpers/nemo_fake.master_config``); ``prepare_for_lp_inference`` / ``prepare_for_training``
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 ``grpo.grpo_train`` around the emulated setup and loop (that is how the adapter knows it is
