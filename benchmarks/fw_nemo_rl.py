@@ -1,7 +1,7 @@
 """The cross-framework workload in NeMo-RL, from a source checkout.
 
 v0.7.0 and main: NeMo-RL's own entry point, ``examples/run_grpo.py``, on a Ray cluster of the
-run (:func:`run_entry_point`; how it runs on a CPU: ``tests/compat_nemo_rl/e2e.py``).
+run (:func:`run_entry_point`; how it runs on a CPU: :mod:`grpo_patches.testing.nemo_rl_run_grpo`).
 
 v0.6.0: one process, no Ray. Real NeMo-RL code: the driver's ``Policy.get_logprobs``,
 ``Policy.get_reference_policy_logprobs`` and ``Policy.train`` (a ``Policy`` built without its
@@ -14,9 +14,8 @@ the real ``DTensorPolicyWorkerV2(Impl)`` ``get_logprobs`` / ``get_reference_poli
 reference log-probs, sequence error metrics, advantages, train). Emulated: the loop body
 itself, ``grpo.setup`` (the config it leaves: one optimizer step per rollout batch, KL
 penalty 0; v0.7.0+ then skips the reference pass itself, v0.6.0 runs it on a reference copy
-of the initial weights) and the worker's ``__init__`` (``tests/compat_nemo_rl/harness.py``:
-CPU shim, ``real_worker``; imported from the tests, as are ``tests/helpers/nemo_worker_harness.py``
-and ``tests/helpers/nemo_fake.master_config``); ``prepare_for_lp_inference`` / ``prepare_for_training``
+of the initial weights) and the worker's ``__init__`` (:mod:`grpo_patches.testing.nemo_rl_cpu`:
+CPU shim, ``real_worker``; configs and the loss per tag from :mod:`grpo_patches.testing.nemo_rl_tags`); ``prepare_for_lp_inference`` / ``prepare_for_training``
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 ``grpo.grpo_train`` around the emulated setup and loop (that is how the adapter knows it is
@@ -30,15 +29,11 @@ when both are skipped). Called by ``_framework_worker.py``; the source comes on
 from __future__ import annotations
 
 import os
-import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
 import workload
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Group:
@@ -63,19 +58,6 @@ class _Group:
         return True
 
 
-def _imports() -> None:
-    import grpo_patches  # noqa: F401  (the installed one, first: the checkout's own folder lacks the adapters' mapping)
-
-    sys.path.insert(0, str(ROOT))  # tests.* helpers
-    try:
-        import pytest  # noqa: F401
-    except ImportError:  # the harness imports pytest for its skips only
-        def skip(reason: str, **_: Any) -> None:
-            raise RuntimeError(reason)
-
-        sys.modules["pytest"] = types.SimpleNamespace(skip=skip)
-
-
 def _no_pinned_memory() -> None:
     """The CPU shim's one addition: the worker's reference swap asks for pinned CPU copies."""
     import torch
@@ -88,7 +70,7 @@ def _worker(tag: str, spec: dict[str, Any], reference: bool) -> Any:
     import torch
 
     from grpo_patches.demo import tiny_model
-    from tests.compat_nemo_rl import harness
+    from grpo_patches.testing import nemo_rl_cpu as harness
 
     rows = spec["prompts"] * spec["generations"]
     worker = harness.real_worker(tag, rows, spec["micro_rows"])
@@ -118,7 +100,7 @@ def _setup(tag: str, spec: dict[str, Any], patched: bool) -> tuple[Any, Any]:
     model decided as ``setup`` / ``Policy.__init__`` decide (through the adapter's wrappers when patched)."""
     from nemo_rl.models.policy.lm_policy import Policy
 
-    from tests.helpers.nemo_fake import master_config
+    from grpo_patches.testing.nemo_rl_tags import master_config
 
     old = tag in ("v0.5.0", "v0.6.0")
     rows = spec["prompts"] * spec["generations"]
@@ -217,7 +199,7 @@ TRAINER_SIDE = ("logprob_inference_prep", "policy_and_reference_logprobs", "trai
 def _shape(spec: dict[str, Any]) -> Any:
     """The workload as an end-to-end run's shape: the first ``saturated`` prompts uniform (every
     sample right, or every one wrong: advantage exactly 0), the others mixed."""
-    from tests.compat_nemo_rl import e2e
+    from grpo_patches.testing import nemo_rl_run_grpo as e2e
 
     patterns = tuple(("all", "none")[i % 2] if i < spec["saturated"] else "even" for i in range(spec["prompts"]))
     return e2e.Shape(prompts_per_step=spec["prompts"], samples=spec["generations"], steps=spec["steps"],
@@ -228,14 +210,14 @@ def _shape(spec: dict[str, Any]) -> Any:
 
 def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     """v0.7.0 / main: NeMo-RL's ``examples/run_grpo.py`` itself, as the end-to-end cells run it
-    (``tests/compat_nemo_rl/e2e.py``: a Ray cluster of this run, the DTensor worker as a Ray actor,
+    (:mod:`grpo_patches.testing.nemo_rl_run_grpo`: a Ray cluster of this run, the DTensor worker as a Ray actor,
     the CPU stand-ins); patched runs start it through ``grpo-patches run`` (default options).
     Times are NeMo-RL's own timers per step (:data:`TRAINER_SIDE`; ``generation`` apart)."""
     import shutil
     import tempfile
 
     from grpo_patches import registry
-    from tests.compat_nemo_rl import e2e
+    from grpo_patches.testing import nemo_rl_run_grpo as e2e
 
     shape = _shape(spec)
     root = Path(tempfile.mkdtemp(prefix="nemo-bench-"))
@@ -266,8 +248,7 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
 
 
 def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
-    _imports()
-    from tests.compat_nemo_rl import harness
+    from grpo_patches.testing import nemo_rl_cpu as harness
 
     if harness.tag() in ("v0.7.0", "main"):
         harness.need_worker()
@@ -283,7 +264,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     import grpo_patches
     from grpo_patches import registry
     from grpo_patches.demo import tiny_model
-    from tests.helpers.nemo_worker_harness import make_loss
+    from grpo_patches.testing.nemo_rl_tags import make_loss
 
     if patched:
         grpo_patches.enable("nemo_rl")  # the defaults

@@ -5,7 +5,7 @@ engine workers in Ray), as a user runs it.
 Each run starts a Ray cluster of its own, runs ``main_ppo`` on it (``GRPO_PATCHES=verl`` for the
 patched run, the defaults), and stops it. verl's GRPO config as the legacy row's: KL loss on at
 coefficient 0, one mini-batch, one epoch, SGD; FSDP2 in fp32 on the CPU platform and the CPU
-stand-in rollout of the end-to-end tests (``tests/helpers/verl_e2e_plugin.py``: no rollout backend of
+stand-in rollout of the end-to-end tests (``grpo_patches/testing/verl_main_ppo_plugin.py``: no rollout backend of
 verl runs on CPU), whose completions are pseudo-random tokens seeded by (step, prompt, sample):
 both runs train on the same rollouts, and generation costs next to nothing. The prompts are the
 workload's, repeated every step; :func:`compute_score` is ``workload.reward`` (the saturated
@@ -20,12 +20,10 @@ run in other processes. Called by ``_framework_worker.py``.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAINER_SIDE = ("timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor")
 
 
@@ -56,8 +54,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     version = metadata.version("verl")
     if Version(version) < Version("0.9"):
         return {"not_run": f"verl {version}: the V1 trainer runner needs verl 0.9+ (the legacy row runs 0.6-0.7)"}
-    sys.path.insert(0, str(ROOT))
-    from tests.helpers import verl_e2e_harness as e2e
+    from grpo_patches.testing import verl_main_ppo as e2e
 
     load = e2e.Workload(prompts=spec["prompts"], samples=spec["generations"], steps=spec["steps"], max_prompt=32,
                         max_response=spec["completion_tokens"], micro_rows=spec["micro_rows"], lr=spec["lr"],

@@ -1,6 +1,6 @@
-"""The core never imports a framework: every module of ``grpo_patches`` except the demo
-sub-package (which trains with TRL) imports without trl, transformers or any other framework,
-and none of them imports the demo sub-package, save the command line (which runs the demo).
+"""The core never imports a framework: every module of ``grpo_patches`` except the demo and
+testing sub-packages (which run the frameworks) imports without trl, transformers or any other
+framework, and none of them imports those sub-packages, save the command line (which runs the demo).
 """
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ import grpo_patches
 PACKAGE = Path(grpo_patches.__file__).resolve().parent
 FRAMEWORKS = ("trl", "transformers", "accelerate", "datasets", "tokenizers", "verl", "nemo_rl", "nemo_automodel")
 DEMO = "grpo_patches.demo"
+TESTING = "grpo_patches.testing"  # what the end-to-end tests and the benchmarks share
+SIDE = (DEMO, TESTING)
+
+
+def _side(name: str) -> bool:
+    return any(name == s or name.startswith(s + ".") for s in SIDE)
 
 
 def core_modules() -> list[str]:
-    """Every module under grpo_patches/ outside the demo sub-package, and the adapters' patch
+    """Every module under grpo_patches/ outside the demo and testing sub-packages, and the adapters' patch
     tables (the registry imports them to list what each framework would patch)."""
     names = []
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        if name != DEMO and not name.startswith(DEMO + "."):
+        if not _side(name):
             names.append(name)
     import grpo_patches.adapters
 
@@ -48,32 +54,32 @@ import grpo_patches
 grpo_patches.status()  # reads versions from metadata, imports nothing of a framework
 for m in sorted(sys.modules):
     seen.setdefault(m.split('.')[0], 'status()') if m.split('.')[0] in frameworks else None
-print(json.dumps({{'imported': seen, 'demo': sorted(m for m in sys.modules if m.startswith('{demo}'))}}))
+print(json.dumps({{'imported': seen, 'side': sorted(m for m in sys.modules if m.startswith({side!r}))}}))
 """
 
 
 def test_importing_the_core_imports_no_framework():
     modules = core_modules()
     assert "grpo_patches.api" in modules and "grpo_patches.cli" in modules and "grpo_patches.adapters.trl" in modules
-    assert not any(m.startswith(DEMO) for m in modules)
-    code = IMPORT_EACH.format(frameworks=FRAMEWORKS, modules=modules, demo=DEMO)
+    assert not any(_side(m) for m in modules)
+    code = IMPORT_EACH.format(frameworks=FRAMEWORKS, modules=modules, side=SIDE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_PATCHES")}  # no start-up patching
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["imported"] == {}, f"framework -> the core module that imported it: {out['imported']}"
-    assert out["demo"] == []  # the command line imports the demo's defaults only when it builds its parser
+    assert out["side"] == []  # the command line imports the demo's defaults only when it builds its parser
 
 
-def test_only_the_command_line_refers_to_the_demo_sub_package():
+def test_only_the_command_line_refers_to_the_demo_and_nothing_to_testing():
     """Statically too: a lazy import inside a function would not show in the test above."""
     referring = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if DEMO.split(".")[1] in path.relative_to(PACKAGE).parts[:1]:
-            continue  # the demo sub-package itself
+        if path.relative_to(PACKAGE).parts[0] in {s.split(".")[1] for s in SIDE}:
+            continue  # the side sub-packages themselves (testing runs the demo's tiny model)
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(n == DEMO or n.startswith(DEMO + ".") for n in names):
-                referring.append(path.relative_to(PACKAGE).as_posix())
-    assert sorted(set(referring)) == ["cli.py"], referring
+            if any(_side(n) for n in names):
+                referring.append((path.relative_to(PACKAGE).as_posix(), next(n for n in names if _side(n))))
+    assert {(p, n.split(".")[1]) for p, n in referring} == {("cli.py", "demo")}, referring

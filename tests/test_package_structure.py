@@ -192,3 +192,21 @@ def test_shared_test_code_lives_in_tests_helpers():
     loose = sorted(p.name for p in (ROOT / "tests").glob("*.py")
                    if not p.name.startswith("test_") and p.name not in ("__init__.py", "conftest.py"))
     assert loose == []
+
+
+def test_benchmarks_never_import_the_tests():
+    """What a benchmark and a test share lives in the package (``grpo_patches.testing``,
+    ``grpo_patches.demo``) or in ``benchmarks/``: no ``tests.*`` import, no repository root put
+    on ``sys.path`` to reach one."""
+    offenders = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tests = sorted(m for m in _imported_modules(path) if m == "tests" or m.startswith("tests."))
+        if tests or "parents[1]))" in path.read_text() or "sys.path.insert(0, str(ROOT))" in path.read_text():
+            offenders[path.name] = tests or ["the repository root on sys.path"]
+    assert offenders == {}
+
+
+def test_the_benchmark_checker_sees_a_tests_import(tmp_path):
+    sample = tmp_path / "bench.py"
+    sample.write_text("def f():\n    from grpo_patches.testing.trl_train import train\n")
+    assert "grpo_patches.testing.trl_train" in _imported_modules(sample)

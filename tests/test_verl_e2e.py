@@ -38,7 +38,7 @@ pytest.importorskip("transfer_queue")
 
 import torch  # noqa: E402
 
-from tests.helpers import verl_e2e_harness as e2e  # noqa: E402
+from grpo_patches.testing import verl_main_ppo as e2e  # noqa: E402
 
 TOL = 1e-5
 FULL = os.environ.get("GRPO_E2E_FULL", "") not in ("", "0")

@@ -21,7 +21,7 @@ import contextvars
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from .engine_calls import CONFIG_ATTRIBUTE, actor_config_of, advantages_and_mask, forward_backward_arguments
+from .engine_calls import CONFIG_ATTRIBUTE, advantages_and_mask, policy_update_call
 from .filter import filter_mode
 from .loss_modes import effective_agg_mode
 
@@ -60,10 +60,10 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     """wrapt wrapper of ``FSDPEngine.forward_backward_batch(data, loss_function, forward_only)``."""
     import torch
 
-    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
-    config = actor_config_of(loss_function)
-    if instance is None or forward_only or config is None or "advantages" not in data.keys():
+    call = policy_update_call(instance, args, kwargs)
+    if call is None:
         return wrapped(*args, **kwargs)
+    data, config = call
     from verl.utils import tensordict_utils as tu
 
     problems = settings_problems(config, data)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import filter_engine
-from .engine_calls import actor_config_of, forward_backward_arguments
+from .engine_calls import policy_update_call
 from .filter import filter_mode
 from .megatron_stages import on_every_stage
 
@@ -65,10 +65,10 @@ def megatron_problems(engine: Any) -> tuple[str, ...]:
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngine.forward_backward_batch(data, loss_function, forward_only)``."""
-    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
-    config = actor_config_of(loss_function)
-    if instance is None or forward_only or config is None or "advantages" not in data.keys():
+    call = policy_update_call(instance, args, kwargs)
+    if call is None:
         return wrapped(*args, **kwargs)
+    data, config = call
     problems = (*filter_engine.settings_problems(config, data), *megatron_problems(instance))
     if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; filter_engine reads it
         return wrapped(*args, **kwargs)

@@ -21,27 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_patches.demo import DEFAULT_STEPS
+from grpo_patches.demo import DEFAULT_STEPS, trl_config
 
 #: The demo's training setup: GA=3 with steps_per_generation=2 is misaligned, so upstream
 #: TRL recomputes old log-probs for every rollout; half the prompts get identical rewards
 #: for all their completions, so their advantages are exactly zero.
-DEMO_CONFIG: dict[str, Any] = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=12,
-    gradient_accumulation_steps=3,
-    steps_per_generation=2,
-    learning_rate=2e-2,
-    beta=0.0,
-    logging_steps=1,
-    save_strategy="no",
-    seed=0,
-    use_cpu=True,
-    report_to="none",
-    disable_tqdm=True,
-    bf16=False,  # GRPOConfig turns on bf16 autocast by default, even on CPU: keep the demo in fp32
-)
+DEMO_CONFIG: dict[str, Any] = {
+    **trl_config.BASE_CONFIG,
+    "max_completion_length": 12,
+    "learning_rate": 2e-2,
+    "bf16": False,  # GRPOConfig turns on bf16 autocast by default, even on CPU: keep the demo in fp32
+}
 #: Wider than the tests' model, with a realistic lm-head share (vocab 8192), so that the work
 #: saved shows in the trainer-side time next to per-call overhead.
 MODEL_HIDDEN, MODEL_LAYERS, MODEL_VOCAB = 256, 4, 8192

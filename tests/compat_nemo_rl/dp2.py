@@ -24,7 +24,7 @@ def _train(rank: int, port: int) -> dict:
     import torch
 
     import grpo_patches
-    from tests.compat_nemo_rl import harness
+    from grpo_patches.testing import nemo_rl_cpu as harness
     from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss, max_grad_rel, run_train
 
     torch.set_num_threads(1)

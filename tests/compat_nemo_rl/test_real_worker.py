@@ -15,7 +15,7 @@ import pytest
 
 import grpo_patches
 from tests.helpers import nemo_worker_cases as cases
-from tests.compat_nemo_rl import harness
+from grpo_patches.testing import nemo_rl_cpu as harness
 from tests.compat_nemo_rl.dp2 import run_ranks
 
 TAG = harness.setup()

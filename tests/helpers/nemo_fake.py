@@ -24,6 +24,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from grpo_patches.testing.nemo_rl_tags import master_config  # noqa: F401  (the tests read it here)
 from tests.helpers.nemo_fake_loss import BATCHED_DATA_DICT, CALL_V05, CALL_V06, LOSS, LOSS_PACKAGE_INIT, LOSS_UTILS, MODEL
 from tests.helpers.nemo_fake_worker import AUTOMODEL_DATA, AUTOMODEL_TRAIN, WORKER_V05, WORKER_V06
 
@@ -281,34 +282,3 @@ def make_source(root: Path, tag: str) -> Path:
         opd_import="from nemo_rl.algorithms import opd as opd_module" if new_line else "",
         setup_extra=", policy_factory=None" if new_line else ""))
     return root
-
-
-class Section(dict):
-    """A config section read both ways, like v0.7.0+'s pydantic models (``cfg.key``) and dicts."""
-
-    def __getattr__(self, name: str):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value) -> None:
-        self[name] = value
-
-
-def master_config(tag: str, *, loss: dict | None = None, grpo: dict | None = None, policy: dict | None = None):
-    """``master_config`` as each tag holds it: dicts on v0.5 / v0.6, attribute objects from v0.7."""
-    loss_cfg = {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.28,
-                "ratio_clip_c": None, "token_level_loss": True, **(loss or {})}
-    grpo_cfg = {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "seq_logprob_error_threshold": None,
-                **(grpo or {})}
-    policy_cfg = {"train_global_batch_size": 8, "train_micro_batch_size": 2, "logprob_batch_size": 4,
-                  "dynamic_batching": {"enabled": False}, **(policy or {})}
-    if tag in ("v0.5.0", "v0.6.0"):
-        return {"loss_fn": loss_cfg, "grpo": grpo_cfg, "policy": policy_cfg}
-    # pydantic models from v0.7.0: every field has a default
-    loss_cfg = {"force_on_policy_ratio": False, "use_importance_sampling_correction": False, "disable_ppo_ratio": False,
-                "use_kl_in_reward": False, "use_cispo": False, "positive_example_nll_weight": 0.0, **loss_cfg}
-    grpo_cfg = {"skip_reference_policy_logprobs_calculation": False, **grpo_cfg}
-    return Section(loss_fn=Section(loss_cfg), grpo=Section(grpo_cfg) if tag == "main" else dict(grpo_cfg),
-                   policy=policy_cfg)

@@ -3,16 +3,17 @@
 ``run_train`` builds a fresh model, loss and worker, trains one call and returns the
 gradient of every optimizer step, the metrics NeMo-RL returns and how many rows went through
 the model. The stand-in builds its worker directly (:mod:`tests.helpers.nemo_fake`); the real-source
-tests pass their own ``make_worker`` (``tests/compat_nemo_rl/harness.py``).
+tests pass their own ``make_worker`` (:func:`grpo_patches.testing.nemo_rl_cpu.real_worker`).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from grpo_patches.testing.nemo_rl_tags import make_loss, worker_class  # noqa: F401  (the tests read make_loss here)
 
 ZERO_ROWS = (1, 2, 5, 8, 9, 10)  # advantage exactly 0 on every token (e.g. all-equal rewards)
 
@@ -38,43 +39,6 @@ def make_batch(rows: int = 12, seq: int = 9, vocab: int = 23, zero_rows=ZERO_ROW
         "prev_logprobs": generation + 0.05 * torch.randn(rows, seq, generator=g) * token_mask,
         "reference_policy_logprobs": generation + 0.1 * torch.randn(rows, seq, generator=g) * token_mask,
     }
-
-
-def loss_module(tag: str) -> Any:
-    return importlib.import_module("nemo_rl.algorithms.loss_functions" if tag == "v0.5.0"
-                                   else "nemo_rl.algorithms.loss.loss_functions")
-
-
-def loss_config(tag: str, **overrides: Any) -> Any:
-    """The config ``ClippedPGLossFn`` takes on ``tag`` (a dict on v0.5 / v0.6, the pydantic model after)."""
-    cfg = dict(reference_policy_kl_penalty=0.0, reference_policy_kl_type="k3", kl_input_clamp_value=20.0,
-               kl_output_clamp_value=10.0, ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=None,
-               use_on_policy_kl_approximation=False, use_importance_sampling_correction=False,
-               truncated_importance_sampling_ratio=None, token_level_loss=True)
-    cfg.update(overrides)
-    if tag in ("v0.5.0", "v0.6.0"):
-        return cfg
-    config_class = getattr(loss_module(tag), "ClippedPGLossConfig", None)
-    return config_class(**cfg) if config_class is not None else _Section(cfg)
-
-
-class _Section(dict):
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-def make_loss(tag: str, **overrides: Any) -> Any:
-    return loss_module(tag).ClippedPGLossFn(loss_config(tag, **overrides))
-
-
-def worker_class(tag: str) -> type:
-    module = importlib.import_module("nemo_rl.models.policy.workers.dtensor_policy_worker_v2")
-    if tag == "v0.5.0":  # the @ray.remote class itself holds train()
-        return module.DTensorPolicyWorkerV2.__ray_metadata__.modified_class.__ray_actor_class__
-    return module.DTensorPolicyWorkerV2Impl
 
 
 def batched(batch: dict[str, torch.Tensor], micro_batches: list | None = None) -> Any:

@@ -301,7 +301,7 @@ def fused_types() -> tuple[type, type]:
 
 
 def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
-    from tests.helpers import verl_cpu_shim
+    from grpo_patches.testing import verl_cpu_shim
 
     verl_cpu_shim.install()  # before anything asks verl for its platform
     init_pg(rank, world, port)

@@ -56,7 +56,7 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     from tests.helpers import megatron_cpu_shim
 
     if not GPU:
-        from tests.helpers import verl_cpu_shim
+        from grpo_patches.testing import verl_cpu_shim
 
         verl_cpu_shim.install()
         megatron_cpu_shim.install()

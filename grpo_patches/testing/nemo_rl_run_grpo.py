@@ -3,7 +3,7 @@
 One :class:`Run` is ``examples/run_grpo.py`` from the tag's source export, started with its
 example config and command-line overrides, unpatched (``python examples/run_grpo.py ...``) or
 patched (``grpo-patches run --frameworks nemo_rl --options ... -- python examples/run_grpo.py
-...``, as the README says). Around it, made here (test-only):
+...``, as the README says). Around it, made here:
 
 * :class:`RayCluster`: a local Ray head of this test only (``ray start --head --block``, its own
   temp dir and explicit free ports, one logical GPU), stopped through its process group; the
@@ -15,7 +15,7 @@ patched (``grpo-patches run --frameworks nemo_rl --options ... -- python example
   the start-up directory on ``PYTHONPATH``;
 * :func:`assets`: a tiny fp32 Qwen2 and word-level tokenizer built in code
   (:mod:`grpo_patches.demo.tiny_model`) and a 12-prompt math data file whose rows say which samples
-  the generation stand-in answers right (``e2e_startup/nemo_e2e_cpu.py``);
+  the generation stand-in answers right (``nemo_rl_startup/nemo_e2e_cpu.py``);
 * what a run leaves: NeMo-RL's tensorboard scalars (its own logged metrics), the worker's
   per-call records and weights, the driver's ``status()``.
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-STARTUP = Path(__file__).resolve().parent / "e2e_startup"
+STARTUP = Path(__file__).resolve().parent / "nemo_rl_startup"
 WORKER_FQN = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
@@ -310,7 +310,7 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
                *overrides(files, log_dir, train_batch, shape)]
     other_package: list[str] = []
     if options is not None:
-        # GRPO_E2E_PYTHONPATH (test-only) goes first for patched runs: a folder holding another copy of
+        # GRPO_E2E_PYTHONPATH goes first for patched runs: a folder holding another copy of
         # grpo_patches (adapters at grpo_patches/adapters), e.g. one with a planted fault; the launcher
         # builds the start-up directory from it, so the worker runs it too. Unpatched runs never see it.
         other_package = [p for p in os.environ.get("GRPO_E2E_PYTHONPATH", "").split(os.pathsep) if p]

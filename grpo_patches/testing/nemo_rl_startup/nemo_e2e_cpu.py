@@ -1,4 +1,4 @@
-"""TEST-ONLY: NeMo-RL's GRPO entry point on a CPU-only machine (the end-to-end compat cells).
+"""NeMo-RL's GRPO entry point on a CPU-only machine, for the end-to-end runs only (the compat cells, the benchmark).
 
 Imported by ``sitecustomize.py`` next to this file in every process of a cell's run (driver
 and Ray workers) when ``GRPO_PATCHES_E2E_CPU`` is set; nothing here ships or patches what

@@ -1,5 +1,5 @@
 """The smallest CPU platform for verl's engine line (0.9 ships cuda / npu / rocm platforms only;
-0.8 asks ``torch.<device>`` directly: :func:`_install_08`). Tests only.
+0.8 asks ``torch.<device>`` directly: :func:`_install_08`). For the tests and the benchmarks.
 
 verl 0.9 resolves every device call through ``verl.plugin.platform.get_platform()``, so one
 registered ``PlatformBase`` subclass plus ``set_platform`` is the whole shim; no verl function

@@ -1,8 +1,8 @@
-"""``python -m verl.trainer.main_ppo`` on CPU, as a user runs it, for the end-to-end tests (tests only).
+"""``python -m verl.trainer.main_ppo`` on CPU, as a user runs it (the end-to-end tests and ``benchmarks/fw_verl_v1.py``).
 
 * :func:`build_assets`: a tiny Qwen2 (fp32) and a word-level tokenizer with a chat template, saved
   to a folder (no hub), a parquet dataset of prompts (half of them "equal": every sample gets the
-  same reward), and the agent-loop file naming :class:`verl_e2e_rollout.SeededAgentLoop`;
+  same reward), and the agent-loop file naming :class:`verl_main_ppo_rollout.SeededAgentLoop`;
 * :class:`RayCluster`: a local Ray cluster of this test's own (its own temp dir, ports chosen by
   Ray; logical GPUs for verl's resource pools), shared by every training of a test module and
   stopped by the process that started it (never ``ray stop``);
@@ -25,22 +25,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PLUGIN = "tests.helpers.verl_e2e_plugin"
-ROLLOUT_FILE = ROOT / "tests" / "helpers" / "verl_e2e_rollout.py"
+PLUGIN = "grpo_patches.testing.verl_main_ppo_plugin"
+ROLLOUT_MODULE = "grpo_patches.testing.verl_main_ppo_rollout"
+ROLLOUT_FILE = Path(__file__).resolve().with_name("verl_main_ppo_rollout.py")
 #: A chat template for the word-level tokenizer (the agent loop builds every prompt with it).
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}"
                  "{% endfor %}{% if add_generation_prompt %} {% endif %}")
 #: Environment every process of a run needs (the cluster's and each run's).
-#: ``GRPO_E2E_PYTHONPATH`` goes first: e.g. a copy of another grpo_patches version to run these tests against.
+#: ``GRPO_E2E_PYTHONPATH``: e.g. a copy of another grpo_patches version (with its ``testing``) to run these tests against.
 BASE_ENV = {"VERL_USE_EXTERNAL_MODULES": PLUGIN,
-            "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("GRPO_E2E_PYTHONPATH"), str(ROOT)) if p),
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VERL_LOGGING_LEVEL": "WARN",
             "RAY_DEDUP_LOGS": "0",
             # Ray 2.60's local clusters default to token auth with a token in ~/.ray, shared by
             # every cluster of this user: the test's cluster (local, its own) goes without
-            "RAY_AUTH_MODE": "disabled"}
+            "RAY_AUTH_MODE": "disabled",
+            **({"PYTHONPATH": os.environ["GRPO_E2E_PYTHONPATH"]} if os.environ.get("GRPO_E2E_PYTHONPATH") else {})}
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def build_assets(root: str | os.PathLike, workload: Workload = TESTS, prompts: l
     data = root / "prompts.parquet"
     pd.DataFrame(rows).to_parquet(data)
     loops = root / "agent_loops.yaml"
-    loops.write_text("- name: grpo_e2e_seeded\n  _target_: tests.helpers.verl_e2e_rollout.SeededAgentLoop\n")
+    loops.write_text(f"- name: grpo_e2e_seeded\n  _target_: {ROLLOUT_MODULE}.SeededAgentLoop\n")
     return Assets(str(model), str(tokenizer), str(data), str(loops))
 
 

@@ -1,6 +1,6 @@
-"""What an end-to-end verl run on CPU needs in every process it starts (tests only).
+"""What an end-to-end verl run on CPU needs in every process it starts (``grpo_patches.testing``).
 
-``VERL_USE_EXTERNAL_MODULES=tests.helpers.verl_e2e_plugin`` makes ``import verl`` import this module in
+``VERL_USE_EXTERNAL_MODULES=grpo_patches.testing.verl_main_ppo_plugin`` makes ``import verl`` import this module in
 the driver and in every Ray process (verl's own extension point; no verl file is edited). Each
 shim exists because verl 0.9 has no CPU path for it:
 
@@ -11,7 +11,7 @@ shim exists because verl 0.9 has no CPU path for it:
   CPU twice on a CPU platform and torch refuses: collapsed to ``"gloo"``;
 * unpinned offload: verl builds the reference model's FSDP2 ``CPUOffloadPolicy(pin_memory=True)``
   and pinning needs an accelerator: the policy is built with ``pin_memory=False``;
-* the stand-in rollout (:mod:`verl_e2e_rollout`), registered by name in verl's two rollout
+* the stand-in rollout (:mod:`verl_main_ppo_rollout`), registered by name in verl's two rollout
   registries when verl imports them;
 * ``GRPO_E2E_OUT``: after each actor update the worker writes ``grpo_patches.status()``, its peak
   RSS and its weights there, so the test reads what ran in the process that trained (not the
@@ -25,13 +25,13 @@ import os
 
 import wrapt
 
-ROLLOUT = "tests.helpers.verl_e2e_rollout"
-NAME = "grpo_e2e_stand_in"  # = verl_e2e_rollout.NAME (not imported: that module imports verl)
+ROLLOUT = "grpo_patches.testing.verl_main_ppo_rollout"
+NAME = "grpo_e2e_stand_in"  # = verl_main_ppo_rollout.NAME (not imported: that module imports verl)
 OUT_ENV = "GRPO_E2E_OUT"
 
 
 def _platform() -> None:
-    from tests.helpers import verl_cpu_shim
+    from grpo_patches.testing import verl_cpu_shim
 
     verl_cpu_shim.install(ray_resource="GPU")
 

@@ -1,4 +1,4 @@
-"""Running NeMo-RL's real code on a CPU in one process (test-only: nothing here ships).
+"""Running NeMo-RL's real code on a CPU in one process (the real-source cells and ``benchmarks/fw_nemo_rl.py``).
 
 * :func:`setup`: a CPU shim (every ``"cuda"`` placement goes to the CPU, CUDA queries answer
   harmlessly: NeMo-RL calls ``.cuda()`` and ``torch.tensor(..., device="cuda")`` directly),
@@ -6,7 +6,7 @@
 * :func:`real_worker`: the real ``DTensorPolicyWorkerV2(Impl)`` object built without Ray and
   without its ``__init__`` (which needs GPUs and an Automodel checkpoint), holding a tiny
   Qwen2 (optionally FSDP2-sharded) and the attributes ``train()`` reads; same signature as
-  the stand-in's factory, so :mod:`tests.helpers.nemo_worker_cases` runs on both.
+  the stand-in's factory, so the worker cases of the tests run on both.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import types
 from typing import Any
 
-import pytest
+from grpo_patches.testing import skip
 
 TAG_ENV = "NEMO_RL_TAG"
 
@@ -28,12 +28,11 @@ def tag() -> str:
 
     version = registry.get("nemo_rl").installed_version()
     if version is None:
-        pytest.skip("not run: no NeMo-RL source on the path (set NEMO_RL_SRC, see compat/sources.py)",
-                    allow_module_level=True)
+        skip("not run: no NeMo-RL source on the path (set NEMO_RL_SRC, see compat/sources.py)")
     return {"0.5": "v0.5.0", "0.6": "v0.6.0", "0.7": "v0.7.0", "0.8": "main"}[f"{version.major}.{version.minor}"]
 
 
-def _cpu(device: Any) -> Any:
+def cpu_device(device: Any) -> Any:
     import torch
 
     if isinstance(device, str) and device.startswith("cuda"):
@@ -55,7 +54,7 @@ def install_cpu_shim() -> None:
     def fix(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if "device" in kwargs:
-                kwargs["device"] = _cpu(kwargs["device"])
+                kwargs["device"] = cpu_device(kwargs["device"])
             return fn(*args, **kwargs)
 
         return wrapper
@@ -64,8 +63,8 @@ def install_cpu_shim() -> None:
                  "full_like", "rand", "randn", "randint", "as_tensor", "linspace"):
         setattr(torch, name, fix(getattr(torch, name)))
     to = torch.Tensor.to
-    torch.Tensor.to = lambda self, *a, **k: to(self, *[_cpu(x) for x in a],
-                                               **{n: _cpu(v) if n == "device" else v for n, v in k.items()})
+    torch.Tensor.to = lambda self, *a, **k: to(self, *[cpu_device(x) for x in a],
+                                               **{n: cpu_device(v) if n == "device" else v for n, v in k.items()})
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.nn.Module.cuda = lambda self, *a, **k: self
     for name, value in (("empty_cache", None), ("synchronize", None), ("get_device_name", "cpu-shim"),
@@ -126,8 +125,7 @@ def setup() -> str:
 def need_worker() -> None:
     """Skip when the worker's own dependency (the pinned Automodel) is not on the path."""
     if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip("not run: no Automodel source on the path (set AUTOMODEL_SRC, see compat/sources.py)",
-                    allow_module_level=True)
+        skip("not run: no Automodel source on the path (set AUTOMODEL_SRC, see compat/sources.py)")
 
 
 def tiny_qwen2(tied: bool = False, seed: int = 0) -> Any:
@@ -148,7 +146,7 @@ def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, tem
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.helpers.nemo_worker_harness import worker_class
+    from grpo_patches.testing.nemo_rl_tags import worker_class
 
     init_gloo()
     model = tiny_qwen2(tied=tied)

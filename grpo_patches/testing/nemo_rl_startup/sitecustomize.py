@@ -1,10 +1,10 @@
-# TEST-ONLY start-up hook of the NeMo-RL end-to-end cells (tests/compat_nemo_rl/test_e2e_grpo.py).
+# Start-up hook of the NeMo-RL end-to-end runs (grpo_patches.testing.nemo_rl_run_grpo: the e2e cells, the benchmark).
 #
 # The cell puts this folder on PYTHONPATH so that every process of the run -- the driver
 # (examples/run_grpo.py) and the Ray workers NeMo-RL starts in their own venv -- runs it. It acts
 # only when GRPO_PATCHES_E2E_CPU is set, and then imports nemo_e2e_cpu (next to this file): a CPU
-# stand-in for what a CPU-only machine lacks (CUDA, NCCL, vLLM). It is no part of grpo_patches and
-# nothing a user runs; grpo_patches' own start-up directory, when present (`grpo-patches run`),
+# stand-in for what a CPU-only machine lacks (CUDA, NCCL, vLLM). It is never imported as part of
+# grpo_patches and nothing a user runs; grpo_patches' own start-up directory, when present (`grpo-patches run`),
 # comes first on PYTHONPATH and chains to this file.
 import os as _os
 

@@ -1,7 +1,7 @@
-"""The CPU stand-in for verl's rollout in the end-to-end runs (tests only; verl 0.9 engine line).
+"""The CPU stand-in for verl's rollout in the end-to-end runs (``grpo_patches.testing``; verl 0.9 engine line).
 
 No rollout backend of verl runs on CPU (vLLM / SGLang / TensorRT-LLM servers only), so the
-end-to-end runs plug a stand-in into verl's own extension points. :mod:`verl_e2e_plugin`
+end-to-end runs plug a stand-in into verl's own extension points. :mod:`verl_main_ppo_plugin`
 registers the first two by name in every process; verl imports this module when it uses them
 (never while ``verl`` itself is being imported):
 

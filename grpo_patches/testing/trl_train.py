@@ -1,8 +1,9 @@
-"""Shared end-to-end fixture: train TRL's GRPOTrainer on the tiny model, patches off or on.
+"""TRL's GRPOTrainer on the demo's tiny model, patches off or on (the TRL tests and
+``benchmarks/trl_filter_exactness.py``).
 
-Stable API (other test modules rely on it)::
+Stable API (the tests rely on it)::
 
-    from tests.helpers.trl_harness import train
+    from grpo_patches.testing.trl_train import train
     result = train(patched=True, options={"recompute": True}, steps=4, gradient_accumulation_steps=3)
     result.weights       # {name: tensor} copy of the final state_dict
     result.log_history   # trainer.state.log_history
@@ -24,24 +25,12 @@ from typing import Any, Callable, Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-#: GRPOConfig values every run uses unless overridden: 8 prompts x 4 generations, GA=3 and
-#: steps_per_generation=2 (misaligned: upstream recomputes old log-probs on every rollout).
-DEFAULT_CONFIG: dict[str, Any] = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    gradient_accumulation_steps=3,
-    steps_per_generation=2,
-    learning_rate=5e-2,
-    beta=0.0,
-    temperature=1.0,
-    logging_steps=1,
-    save_strategy="no",
-    seed=0,
-    use_cpu=True,
-    report_to="none",
-    disable_tqdm=True,
-)
+from grpo_patches.demo import trl_config  # noqa: E402  (after the environment: nothing of TRL imported)
+
+#: GRPOConfig values every run uses unless overridden: the demo's base (8 prompts x 4 generations,
+#: GA=3 and steps_per_generation=2: misaligned, upstream recomputes old log-probs on every rollout).
+DEFAULT_CONFIG: dict[str, Any] = {**trl_config.BASE_CONFIG, "max_completion_length": 8, "learning_rate": 5e-2,
+                                  "temperature": 1.0}
 
 
 @dataclass
@@ -221,8 +210,9 @@ def installed_loss_types() -> set[str]:
 
 def require_loss_type(loss_type: str) -> None:
     """Skip (with the reason) when the installed TRL has no such loss type."""
-    import pytest
     import trl
 
+    from grpo_patches.testing import skip
+
     if loss_type not in installed_loss_types():
-        pytest.skip(f"TRL {trl.__version__} has no loss_type={loss_type!r}")
+        skip(f"TRL {trl.__version__} has no loss_type={loss_type!r}")

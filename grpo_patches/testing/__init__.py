@@ -1,0 +1,32 @@
+"""Running the frameworks' own code on a CPU with a tiny model, patched and unpatched: what the
+end-to-end tests and the benchmarks share (the core never imports this sub-package).
+
+* verl: :mod:`.verl_cpu_shim` (a CPU platform for verl's engine line), :mod:`.verl_main_ppo`
+  (``python -m verl.trainer.main_ppo`` on a Ray cluster of its own, with the stand-in rollout of
+  :mod:`.verl_main_ppo_rollout` loaded in every process by :mod:`.verl_main_ppo_plugin`);
+* NeMo-RL (from a source checkout): :mod:`.nemo_rl_cpu` (its real worker in one process),
+  :mod:`.nemo_rl_run_grpo` (``examples/run_grpo.py`` on a Ray cluster of its own, with the CPU
+  start-up hook in ``nemo_rl_startup/``), :mod:`.nemo_rl_tags` (configs and classes per tag);
+* TRL: :mod:`.trl_train` (``GRPOTrainer`` on the demo's tiny model).
+
+None of it patches a framework function: each piece uses the framework's own extension points
+or stands in for hardware a CPU lacks. Nothing here is needed to use grpo_patches.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+
+class Unavailable(RuntimeError):
+    """What a runner needs is not installed (outside pytest; under pytest it skips)."""
+
+
+def skip(reason: str) -> NoReturn:
+    """Skip the calling test (module level included) under pytest; raise :class:`Unavailable` elsewhere."""
+    import sys
+
+    pytest = sys.modules.get("pytest")
+    if pytest is not None:
+        pytest.skip(reason, allow_module_level=True)
+    raise Unavailable(reason)
