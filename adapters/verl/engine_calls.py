@@ -20,15 +20,15 @@ def forward_backward_arguments(data: Any, loss_function: Callable | None = None,
     return data, loss_function, forward_only
 
 
-def policy_update_call(instance: Any, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
-    """``(data, actor config)`` of a ``forward_backward_batch`` call that updates the policy on
+def policy_update_call(instance: Any, args: tuple, kwargs: dict) -> tuple[Any, Callable, Any] | None:
+    """``(data, loss_function, actor config)`` of a ``forward_backward_batch`` call that updates the policy on
     advantages (what the filter acts on); ``None`` for every other call (forward only, a loss
     that is not the actor's ``ppo_loss``, no advantages, an unbound call), which passes through."""
     data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
     config = actor_config_of(loss_function)
     if instance is None or forward_only or config is None or "advantages" not in data.keys():
         return None
-    return data, config
+    return data, loss_function, config
 
 
 def actor_config_of(loss_function: Any) -> Any | None:

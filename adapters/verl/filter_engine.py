@@ -63,7 +63,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     call = policy_update_call(instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
-    data, config = call
+    data, loss_function, config = call
     from verl.utils import tensordict_utils as tu
 
     problems = settings_problems(config, data)
@@ -101,7 +101,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
         setattr(loss_with_unfiltered_tokens, CONFIG_ATTRIBUTE, config)
         token = _TOKENS.set(batch_num_tokens)
         try:
-            output = wrapped(filtered, loss_with_unfiltered_tokens, forward_only)
+            output = wrapped(filtered, loss_with_unfiltered_tokens, False)  # a policy update: never forward-only
         finally:
             _TOKENS.reset(token)
     _kept_rows_metrics(output["metrics"])

@@ -68,7 +68,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     call = policy_update_call(instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
-    data, config = call
+    data, _, config = call
     problems = (*filter_engine.settings_problems(config, data), *megatron_problems(instance))
     if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; filter_engine reads it
         return wrapped(*args, **kwargs)
