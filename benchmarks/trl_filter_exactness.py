@@ -9,11 +9,13 @@ steps_per_generation: the same rollouts and rows per optimizer step, other summa
 the filter's deviation is of that size, which is why "bitwise identical" is a property of
 a run (the demo's) and not a guarantee.
 
-    python benchmarks/trl_filter_exactness.py          # ~1-3 min on 2 cores; prints a table
+    python benchmarks/trl_filter_exactness.py                 # ~1-3 min on 2 cores; prints a table
+    python benchmarks/trl_filter_exactness.py --device cuda   # the same on a GPU (CUDA's bf16 GEMMs)
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import sys
 
@@ -67,7 +69,11 @@ def same_rows(a: StepGradient, b: StepGradient) -> bool:
 
 
 def main() -> int:
-    print(f"One SGD step, TRL GRPOTrainer, tiny Qwen2 ({datetime.date.today().isoformat()}); "
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where TRL trains (default: cpu)")
+    device = parser.parse_args().device
+    COMMON["use_cpu"] = device == "cpu"
+    print(f"One SGD step, TRL GRPOTrainer, tiny Qwen2, {device} ({datetime.date.today().isoformat()}); "
           "relative L2 of the step gradient vs unpatched with the same settings\n")
     print("| precision | filter on vs off | re-batched, unpatched | same rows |")
     print("|---|---|---|---|")
