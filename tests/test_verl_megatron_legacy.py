@@ -34,7 +34,7 @@ from packaging.version import Version  # noqa: E402
 from tests.helpers import verl_megatron_harness as mh  # noqa: E402
 from tests.helpers import verl_megatron_legacy_harness as lh  # noqa: E402
 
-TOL = 1e-6
+TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
 LAYOUTS = [(False, 1, "grouped"), (False, 2, "interleaved"), (True, 1, "interleaved"), (True, 2, "grouped")]
 KEPT = 8  # rows with a non-zero advantage per rank
@@ -50,16 +50,27 @@ def workers(tmp_path_factory):
     return {"plain": lh.LegacyMegatronWorker(path), "per_token": lh.LegacyMegatronWorker(path, per_token=True)}
 
 
+@pytest.fixture(scope="module")
+def tolerance(workers):
+    """1e-6 in fp32; in bf16 twice the gradient change that merely re-batching the same rows makes
+    (static vs dynamic micro-batches, unpatched), and never below 1e-6."""
+    if not mh.GPU:
+        return TOL
+    noise = h.max_rel(workers["plain"].run(None, dynamic=True), workers["plain"].run(None))
+    return max(TOL, 2 * noise)
+
+
 @pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
 @pytest.mark.parametrize("agg", h.AGG_MODES)
-def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_mini, zero, record_property):
+def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dynamic, n_mini, zero,
+                                                    record_property):
     kw = dict(agg=agg, dynamic=dynamic, n_mini=n_mini, zero=zero)
     ref = workers["plain"].run(None, **kw)
     got = workers["plain"].run(FILTER, **kw)
     err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
     record_property("exact_megatron_legacy_filter_grad_rel_ws1", err)
     record_property("saved_megatron_legacy_autograd_rows_ws1", ref.grad_rows - got.grad_rows)
-    assert err <= TOL, (agg, dynamic, n_mini, zero, err)
+    assert err <= tolerance, (agg, dynamic, n_mini, zero, err, tolerance)
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT, (ref.grad_rows, got.grad_rows)
     assert got.forwards < ref.forwards
     # verl's pg_loss: the same sum and mean over the original micro-batches
@@ -69,7 +80,7 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_min
     assert got.metrics["grpo_patches/rows_dropped"] == KEPT and got.status["savings"]["rows_dropped"] == KEPT
 
 
-def test_per_token_loss_setting_keeps_the_gradient(workers, record_property):
+def test_per_token_loss_setting_keeps_the_gradient(workers, tolerance, record_property):
     """``calculate_per_token_loss``: verl's legacy loss reports no token count, so Megatron scales by 1
     with or without the filter; the gradient stays verl's."""
     ref = workers["per_token"].run(None)
@@ -77,7 +88,7 @@ def test_per_token_loss_setting_keeps_the_gradient(workers, record_property):
     err = h.max_rel(got, ref)
     record_property("exact_megatron_legacy_filter_per_token_grad_rel", err)
     assert workers["per_token"].actor.tf_config.calculate_per_token_loss
-    assert err <= TOL and got.grad_rows == KEPT, (err, got.grad_rows)
+    assert err <= tolerance and got.grad_rows == KEPT, (err, got.grad_rows)
 
 
 def test_a_planted_fault_fails_the_comparison(workers, monkeypatch, record_property):
@@ -106,13 +117,13 @@ def test_reference_skip_at_kl_coefficient_zero(workers, record_property):
 
 
 @OLD_SKIP
-def test_on_policy_update_skips_the_old_logprob_pass(workers, record_property):
+def test_on_policy_update_skips_the_old_logprob_pass(workers, tolerance, record_property):
     """The legacy trainer's real ``_compute_old_log_prob`` and ``_update_actor`` on the Megatron worker."""
     ref = lh.old_pass_then_update(workers["plain"], None)
     got = lh.old_pass_then_update(workers["plain"], {"logprob_skip": True, "zero_advantage_filter": False})
     err = h.max_rel(got, ref)
     record_property("exact_megatron_legacy_old_logprob_skip_grad_rel", err)
-    assert err <= TOL and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
+    assert err <= tolerance and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
     assert got.metrics["grpo_patches/old_log_probs_substituted"] == 1.0
     assert got.metrics["grpo_patches/old_logprob_passes_skipped"] == 1.0
     assert got.status["savings"]["old_logprob_passes_skipped"] == 1
@@ -167,6 +178,10 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
     dp = 2 if topology == "dp2" else 1
     lh.setup(rank, 2, port, **shape)
     worker = lh.LegacyMegatronWorker(model_path, dp=dp, **shape)
+    noise = 0.0
+    if mh.GPU:  # bf16: the re-batching noise floor (static vs dynamic micro-batches, unpatched)
+        kw = dict(dp_rank=rank if dp == 2 else 0, dp=dp)
+        noise = h.max_rel(worker.run(None, dynamic=True, **kw), worker.run(None, **kw))
     results = []
     for agg, dynamic, n_mini, zero in MULTI:
         kw = dict(agg=agg, dynamic=dynamic, n_mini=n_mini, zero=zero, dp_rank=rank if dp == 2 else 0, dp=dp)
@@ -174,7 +189,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
         got = worker.run(FILTER, **kw)
         results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
                         "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows,
-                        "ref_grad_rows": ref.grad_rows})
+                        "ref_grad_rows": ref.grad_rows, "tol": max(TOL, 2 * noise)})
     with open(os.path.join(out_dir, f"{topology}-rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -182,6 +197,8 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def two_process_results(request, tmp_path_factory):
+    if mh.GPU and torch.cuda.device_count() < 2:
+        pytest.skip("not run: two processes need two GPUs on the gpu tier")
     out = tmp_path_factory.mktemp(f"verl_megatron_legacy_{request.param}")
     path = mh.model_dir(str(out))
     mp.spawn(_two_process_worker, args=(h.free_port(), str(out), path, request.param), nprocs=2, join=True)
@@ -191,7 +208,7 @@ def two_process_results(request, tmp_path_factory):
 def test_two_processes_exact_with_identical_schedules(two_process_results, record_property):
     topology, (rank0, rank1) = two_process_results
     for a, b in zip(rank0, rank1):
-        assert a["err"] <= TOL and b["err"] <= TOL, (topology, a, b)
+        assert a["err"] <= a["tol"] and b["err"] <= b["tol"], (topology, a, b)
         # every stage / TP rank / DP rank runs the same micro-batches (a pipeline schedule hangs otherwise)
         assert a["steps"] == b["steps"] and a["forwards"] == b["forwards"], (topology, a, b)
         assert a["forwards"] < a["ref_forwards"] and a["grad_rows"] < a["ref_grad_rows"], (topology, a)

@@ -14,7 +14,8 @@ the line whose internals it wraps. Records on one attribute stack in table order
   ``need_reference_policy`` (no reference model), the loss without its KL term on every line.
 - old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass;
   :mod:`.old_logprobs_legacy`: the 0.7.x legacy actor ignores it there;
-  :mod:`.old_logprobs_engine`: the engine's loss uses the detached current log-probs). The
+  :mod:`.old_logprobs_engine`: the engine's loss uses the detached current log-probs;
+  :mod:`.old_logprobs_megatron_legacy`: so does the 0.7.x legacy Megatron worker's). The
   skipped pass leaves a NaN placeholder the workers key their substitution on
   (:mod:`.placeholder`); the trainer skips only when its workers substitute and stops when an
   update does not confirm it (:mod:`.skip_guarantee`).

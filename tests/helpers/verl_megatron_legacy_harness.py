@@ -8,6 +8,7 @@ Test-only adjustments, none of them to a verl function body:
   the worker finds ``torch.distributed`` and megatron's parallel state set up by the test;
 * verl's Megatron config accepts bf16 / fp16 only: ``McoreEngineConfig``'s validation runs with
   ``bfloat16`` and the fp32 the worker built the model in is put back after it;
+* fp32 on CPU; bf16 on the gpu tier (``GRPO_PATCHES_TIER=gpu``: NCCL, Transformer Engine layers);
 * BSHD (``use_remove_padding=False``: the THD layout needs Transformer Engine's attention), dropout 0,
   SGD without momentum or clipping (megatron-core's clip asserts CUDA tensors; the gradient is
   recorded before the step).
@@ -96,11 +97,13 @@ def worker_config(path: str, *, tp: int, pp: int, dp: int, mbs: int, max_tokens:
     if per_token:
         override["calculate_per_token_loss"] = True
     actor.megatron.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_mbridge=True,
-                          vanilla_mbridge=True, dtype="float32", use_remove_padding=False, sequence_parallel=False,
+                          vanilla_mbridge=True, dtype=mh.DTYPE, use_remove_padding=False, sequence_parallel=False,
                           use_distributed_optimizer=False, override_transformer_config=override)
+    optimizer = {"sgd_momentum": 0.0}  # no optimizer state carried from one run to the next
+    if mh.DTYPE == "float32":
+        optimizer.update(bf16=False, fp16=False)
     actor.optim.update(optimizer="sgd", lr=0.05, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
-                       lr_decay_style="constant",
-                       override_optimizer_config={"bf16": False, "fp16": False, "sgd_momentum": 0.0})
+                       lr_decay_style="constant", override_optimizer_config=optimizer)
     return arr
 
 
