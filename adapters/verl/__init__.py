@@ -7,13 +7,15 @@ the line whose internals it wraps. Records on one attribute stack in table order
   (``verl.workers.actor.dp_actor``, ``verl.protocol``: :mod:`.filter_legacy`), the FSDP engine
   (``verl.workers.engine.fsdp.transformer_impl``: :mod:`.filter_engine`), the Megatron engine
   (``verl.workers.engine.megatron.transformer_impl``: Megatron's pipeline schedule and
-  per-token loss, :mod:`.filter_megatron`); ``dropped_rows_metrics=True``:
+  per-token loss, :mod:`.filter_megatron`), the legacy Megatron actor (``MegatronPPOActor``,
+  0.6.1-0.7.x: :mod:`.filter_megatron_legacy`); ``dropped_rows_metrics=True``:
   :mod:`.filter_legacy_nograd`, :mod:`.filter_engine_nograd`.
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), the loss without its KL term on every line.
 - old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass;
   :mod:`.old_logprobs_legacy`: the 0.7.x legacy actor ignores it there;
-  :mod:`.old_logprobs_engine`: the engine's loss uses the detached current log-probs). The
+  :mod:`.old_logprobs_engine`: the engine's loss uses the detached current log-probs;
+  :mod:`.old_logprobs_megatron_legacy`: so does the 0.7.x legacy Megatron worker's). The
   skipped pass leaves a NaN placeholder the workers key their substitution on
   (:mod:`.placeholder`); the trainer skips only when its workers substitute and stops when an
   update does not confirm it (:mod:`.skip_guarantee`).
@@ -48,6 +50,8 @@ OLD_SKIP = ">=0.7,<0.8"
 ENGINE_OLD_SKIP = ENGINE
 ENGINE_WORKERS = "verl.workers.engine_workers"
 MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
+MEGATRON_ACTOR = "verl.workers.actor.megatron_actor"  # the legacy Megatron worker's actor (0.6.1-0.7.x)
+MEGATRON_WORKERS = "verl.workers.megatron_workers"
 #: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes the role mapping
 #: that ``TaskRunner.add_ref_policy_worker`` fills: that method is wrapped instead).
 _NEED_REFERENCE = (
@@ -57,6 +61,25 @@ _NEED_REFERENCE = (
     ("verl.trainer.main_ppo_sync", ">=0.8,<0.9"),
     ("verl.trainer.main_ppo_v0", ">=0.9"),
     ("verl.trainer.ppo.v1.trainer_base", ">=0.9"),
+)
+
+#: The legacy Megatron worker (0.6.1-0.7.x, :mod:`.filter_megatron_legacy`, :mod:`.old_logprobs_megatron_legacy`):
+#: the guard innermost, then the filter, the skips' worker side and the tiled note.
+_MEGATRON_LEGACY = (
+    PatchTarget(MEGATRON_ACTOR, "get_policy_loss_fn", f"{_HERE}.placeholder:guard_policy_loss", versions=LEGACY),
+    *(PatchTarget(MEGATRON_ACTOR, attribute, f"{_HERE}.filter_megatron_legacy:{wrapper}", versions=LEGACY,
+                  option="zero_advantage_filter")
+      for attribute, wrapper in (("MegatronPPOActor.update_policy", "update_policy"), ("make_batch_generator",
+                                 "make_batch_generator"), ("MegatronPPOActor.forward_backward_batch",
+                                                           "forward_backward_batch"))),
+    PatchTarget(MEGATRON_WORKERS, "ActorRolloutRefWorker.update_actor", f"{_HERE}.reference:megatron_update_actor",
+                versions=LEGACY, option="logprob_skip"),
+    PatchTarget(MEGATRON_WORKERS, "ActorRolloutRefWorker.update_actor",
+                f"{_HERE}.old_logprobs_megatron_legacy:update_actor", versions=OLD_SKIP, option="logprob_skip"),
+    PatchTarget(MEGATRON_ACTOR, "get_policy_loss_fn", f"{_HERE}.old_logprobs_megatron_legacy:get_policy_loss_fn",
+                versions=OLD_SKIP, option="logprob_skip"),
+    PatchTarget(MEGATRON_ACTOR, "MegatronPPOActor.update_policy", f"{_HERE}.tiled_megatron:update_policy",
+                versions=LEGACY, option="tiled_loss"),
 )
 
 #: Every patch record of the verl adapter (module, attribute, wrapper, versions, option).
@@ -133,6 +156,7 @@ PATCHES = (
     # tiled loss: outside the filter on update_policy (verl's on-policy rule counts the unfiltered mini-batches)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
                 versions=LEGACY, option="tiled_loss"),
+    *_MEGATRON_LEGACY,
 )
 
 #: options with no effect of their own in verl, and what they do here instead (status() notes)

@@ -74,7 +74,7 @@ class SplitPlan:
     consumed: bool = False
 
 
-def _micro_denominator(mask: Any, kind: str) -> float:
+def micro_denominator(mask: Any, kind: str) -> float:
     """``D`` of one micro-batch: its tokens, its rows with >= 1 token, or 1 (fixed)."""
     import torch
 
@@ -110,7 +110,7 @@ def _original_coefficients(actor: Any, mini: Any, kind: str) -> Any:
     coefficients = torch.zeros(rows, dtype=torch.float64)
     for part in parts:
         index = torch.as_tensor(part, dtype=torch.long)
-        d = _micro_denominator(mask[index], kind)
+        d = micro_denominator(mask[index], kind)
         coefficients[index] = _scale(config, len(part)) / d if d > 0 else 0.0
     return coefficients
 
@@ -264,7 +264,7 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
     micro = args[0] if args else kwargs["micro_batch"]
     if update.mode == "pack":
         mask = micro["response_mask"]
-        d = _micro_denominator(mask, update.denominator)
+        d = micro_denominator(mask, update.denominator)
         new = _scale(instance.config, int(mask.shape[0])) / d if d > 0 else 1.0
         micro["rollout_is_weights"] = (micro["rollout_is_weights"] / new).to(torch.float32)
         update.grad_rows += int(mask.shape[0])

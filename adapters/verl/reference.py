@@ -178,3 +178,24 @@ def megatron_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, 
     """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: :func:`forward_backward_batch` on every
     pipeline stage (the stages before the last return ``{}``)."""
     return on_every_stage(forward_backward_batch, wrapped, instance, args, kwargs)
+
+
+def megatron_update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy Megatron ``ActorRolloutRefWorker.update_actor(data)``: without reference
+    log-probs (KL coefficient 0), ``MegatronPPOActor`` selects its keys and computes its loss with the KL
+    loss off (it reads ``self.config.use_kl_loss`` in both)."""
+    data = args[0] if args else kwargs.get("data")
+    actor = getattr(instance, "actor", None)
+    if actor is None or data is None or not _zero_coefficient(actor.config) or "ref_log_prob" in data.batch.keys():
+        return wrapped(*args, **kwargs)
+    config = actor.config
+    actor.config = without_kl_loss(config)
+    try:
+        output = wrapped(*args, **kwargs)
+    finally:
+        actor.config = config
+    metrics = output.meta_info["metrics"]
+    for name in KL_METRICS:
+        metrics.pop(name, None)
+    verl_metrics.report(metrics, reference_passes_skipped=1)
+    return output

@@ -35,6 +35,8 @@ SKIPPED = "grpo_patches/old_logprob_passes_skipped"
 #: The modules whose records run in the process that updates the actor.
 WORKER_MODULES = ("verl.workers.actor.dp_actor", "verl.workers.engine.fsdp.transformer_impl",
                   "verl.workers.engine_workers", "verl.workers.utils.losses")
+#: The legacy Megatron worker's (0.7.x: :mod:`.old_logprobs_megatron_legacy`).
+MEGATRON_WORKER_MODULES = ("verl.workers.actor.megatron_actor", "verl.workers.megatron_workers")
 _UNKNOWN = object()
 
 
@@ -66,7 +68,11 @@ def worker_ready() -> str | None:
         return f"the verl adapter is not enabled in the worker ({where}): set GRPO_PATCHES=verl for every Ray worker"
     if not options.get("logprob_skip"):
         return f"logprob_skip is off in the worker ({where})"
-    rows = [r for r in verl.get("patches", []) if r["target"].partition(":")[0] in WORKER_MODULES
+    import sys
+
+    # the worker modules this process runs (an FSDP worker never imports the Megatron ones, and vice versa)
+    modules = [m for m in (*WORKER_MODULES, *MEGATRON_WORKER_MODULES) if m in sys.modules]
+    rows = [r for r in verl.get("patches", []) if r["target"].partition(":")[0] in modules
             and r["option"] in ("logprob_skip", None)]
     missing = sorted({r["target"] for r in rows if r["state"] != "applied"})
     if not rows or missing:

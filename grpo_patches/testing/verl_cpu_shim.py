@@ -57,9 +57,11 @@ def _install_08() -> None:
         if fn is not None and not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     # unpadding imports flash_attn.bert_padding off NPU: its pure-torch twin (verl's NPU copy) stands in
-    from verl.utils import npu_flash_attn_utils as pure
-
-    if "flash_attn" not in sys.modules:
+    try:
+        from verl.utils import npu_flash_attn_utils as pure
+    except ImportError:  # 0.6.1 has no such copy (its legacy Megatron worker, the one run there, needs none)
+        pure = None
+    if pure is not None and "flash_attn" not in sys.modules:
         package, padding = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.bert_padding")
         package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
         padding.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)

@@ -1,0 +1,73 @@
+"""The old-logprob skip on verl's 0.7.x legacy Megatron worker (worker side; :mod:`.old_logprobs`).
+
+Unlike the 0.7 ``dp_actor``, ``MegatronPPOActor``'s loss always reads ``old_log_probs``, so a
+skipped pass needs a substitution here:
+
+* ``ActorRolloutRefWorker.update_actor`` (``verl.workers.megatron_workers``, wrapped): on old
+  log-probs that are all placeholder (:mod:`.placeholder`), checks that the update is on-policy
+  (one mini-batch of this data-parallel rank's rows, one epoch, no ``use_rollout_log_probs``;
+  else it raises before anything is trained: every rank and pipeline stage sees the same batch),
+  runs it with the substitution on, and reports it (``grpo_patches/old_log_probs_substituted``,
+  checked by the trainer: :mod:`.skip_guarantee`).
+* ``get_policy_loss_fn`` (``megatron_actor``'s binding): during such an update, the policy loss
+  gets the detached current log-probs as the old ones, which is what verl's own pass would have
+  computed with the same weights (one mini-batch: no optimizer step in between).
+
+``actor/entropy``: the trainer's value comes from the skipped pass and is NaN (not computed);
+this worker's update does not compute entropies unless ``entropy_coeff`` is set.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+from . import metrics as verl_metrics
+from . import placeholder
+from .skip_guarantee import SUBSTITUTED
+
+_SUBSTITUTE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_substitute", default=False)
+
+
+def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy Megatron ``ActorRolloutRefWorker.update_actor(data) -> DataProto``."""
+    data = args[0] if args else kwargs.get("data")
+    if instance is None or data is None or "old_log_probs" not in data.batch.keys():
+        return wrapped(*args, **kwargs)
+    old = data.batch["old_log_probs"]
+    if not placeholder.present(old):
+        return wrapped(*args, **kwargs)
+    config = instance.actor.config  # ppo_mini_batch_size: this data-parallel rank's rows (verl divided it)
+    mini_batches = -(-len(data) // int(config.ppo_mini_batch_size))
+    if not placeholder.fills(old) or mini_batches != 1 or int(config.ppo_epochs) != 1 \
+            or config.get("use_rollout_log_probs", False):
+        raise placeholder.PlaceholderError(
+            f"grpo_patches: the old-logprob pass was skipped but this Megatron update is not on-policy ({len(data)} "
+            f"rows, ppo_mini_batch_size={config.ppo_mini_batch_size} per rank, ppo_epochs={config.ppo_epochs}, old "
+            f"log-probs all placeholder: {placeholder.fills(old)}); nothing was trained. Please report this and "
+            f"{placeholder.FIX}"
+        )
+    token = _SUBSTITUTE.set(True)
+    try:
+        output = wrapped(*args, **kwargs)
+    finally:
+        _SUBSTITUTE.reset(token)
+    output.meta_info["metrics"][SUBSTITUTED] = 1.0
+    verl_metrics.report(None, old_logprob_substituted_updates=1)
+    return output
+
+
+def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``megatron_actor.get_policy_loss_fn``: during a substituting update, the policy
+    loss reads the detached current log-probs where the placeholder is."""
+    fn = wrapped(*args, **kwargs)
+    if not _SUBSTITUTE.get():
+        return fn
+
+    def substituted(*a: Any, **kw: Any) -> Any:
+        old = kw.get("old_log_prob")
+        if old is not None and placeholder.fills(old):
+            kw = {**kw, "old_log_prob": kw["log_prob"].detach()}
+        return fn(*a, **kw)
+
+    return substituted

@@ -1,0 +1,217 @@
+"""verl's legacy Megatron worker (0.6.1-0.7.x) with the patches off and on: the real
+``ActorRolloutRefWorker.update_actor`` on ``MegatronPPOActor`` (mbridge, megatron-core, tiny Qwen2,
+fp32, gloo on CPU).
+
+Equal, patched vs unpatched: the number of optimizer steps and the gradient before each
+(Megatron's ``main_grad`` after its data-parallel reduction; max relative difference <= 1e-6)
+for every agg mode, static and dynamic micro-batches, 1 and 2 mini-batches, Megatron's
+``calculate_per_token_loss``, and tensor parallel 2, pipeline parallel 2 (the 1F1B schedule) and
+data parallel 2 (two spawned processes each). Counted: rows through the model with autograd
+(16 -> 8 per rank). A planted fault (the naive filter: the kept rows re-split and re-averaged by
+verl) fails the same comparison. The reference skip (KL coefficient 0) and the old-logprob skip
+(through the legacy trainer's real ``_compute_old_log_prob`` / ``_update_actor``) run on the same worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from tests.helpers import verl_harness as h
+
+if h.VERL is None or not h.line().startswith("legacy") or importlib.util.find_spec("megatron.core") is None \
+        or importlib.util.find_spec("mbridge") is None:
+    pytest.skip("verl 0.6.1-0.7.x with megatron-core and mbridge is not installed (the legacy Megatron compat cell "
+                "installs them)", allow_module_level=True)
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+from tests.helpers import verl_megatron_harness as mh  # noqa: E402
+from tests.helpers import verl_megatron_legacy_harness as lh  # noqa: E402
+
+TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
+FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
+LAYOUTS = [(False, 1, "grouped"), (False, 2, "interleaved"), (True, 1, "interleaved"), (True, 2, "grouped")]
+KEPT = 8  # rows with a non-zero advantage per rank
+OLD_SKIP = pytest.mark.skipif(Version(h.VERL) < Version("0.7"), reason="0.6 has no old-logprob skip")
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """One legacy Megatron worker, and one with Megatron's per-token loss."""
+    torch.set_num_threads(2)
+    lh.setup()
+    path = mh.model_dir(str(tmp_path_factory.mktemp("verl_megatron_legacy_model")))
+    return {"plain": lh.LegacyMegatronWorker(path), "per_token": lh.LegacyMegatronWorker(path, per_token=True)}
+
+
+@pytest.fixture(scope="module")
+def tolerance(workers):
+    """1e-6 in fp32; in bf16 twice the gradient change that merely re-batching the same rows makes
+    (static vs dynamic micro-batches, unpatched), and never below 1e-6."""
+    if not mh.GPU:
+        return TOL
+    noise = h.max_rel(workers["plain"].run(None, dynamic=True), workers["plain"].run(None))
+    return max(TOL, 2 * noise)
+
+
+@pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
+@pytest.mark.parametrize("agg", h.AGG_MODES)
+def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dynamic, n_mini, zero,
+                                                    record_property):
+    kw = dict(agg=agg, dynamic=dynamic, n_mini=n_mini, zero=zero)
+    ref = workers["plain"].run(None, **kw)
+    got = workers["plain"].run(FILTER, **kw)
+    err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
+    record_property("exact_megatron_legacy_filter_grad_rel_ws1", err)
+    record_property("saved_megatron_legacy_autograd_rows_ws1", ref.grad_rows - got.grad_rows)
+    assert err <= tolerance, (agg, dynamic, n_mini, zero, err, tolerance)
+    assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT, (ref.grad_rows, got.grad_rows)
+    assert got.forwards < ref.forwards
+    # verl's pg_loss: the same sum and mean over the original micro-batches
+    assert len(got.metrics["actor/pg_loss"]) == len(ref.metrics["actor/pg_loss"])
+    assert sum(got.metrics["actor/pg_loss"]) == pytest.approx(sum(ref.metrics["actor/pg_loss"]), rel=1e-5, abs=1e-7)
+    assert "actor/pg_clipfrac/kept_rows" in got.metrics and "actor/pg_clipfrac" not in got.metrics
+    assert got.metrics["grpo_patches/rows_dropped"] == KEPT and got.status["savings"]["rows_dropped"] == KEPT
+
+
+def test_per_token_loss_setting_keeps_the_gradient(workers, tolerance, record_property):
+    """``calculate_per_token_loss``: verl's legacy loss reports no token count, so Megatron scales by 1
+    with or without the filter; the gradient stays verl's."""
+    ref = workers["per_token"].run(None)
+    got = workers["per_token"].run(FILTER)
+    err = h.max_rel(got, ref)
+    record_property("exact_megatron_legacy_filter_per_token_grad_rel", err)
+    assert workers["per_token"].actor.tf_config.calculate_per_token_loss
+    assert err <= tolerance and got.grad_rows == KEPT, (err, got.grad_rows)
+
+
+def test_a_planted_fault_fails_the_comparison(workers, monkeypatch, record_property):
+    """The naive filter (the kept rows re-split and re-averaged by verl) is caught."""
+    from grpo_patches.adapters.verl import filter_megatron_legacy
+
+    ref = workers["plain"].run(None, zero="grouped")
+    monkeypatch.setattr(filter_megatron_legacy, "forward_backward_batch", lh.renormalising_filter)
+    got = workers["plain"].run(FILTER, zero="grouped")
+    err = h.max_rel(got, ref)
+    record_property("fault_renormalised_grad_rel_legacy", err)
+    assert err > 1e-3 and got.grad_rows == KEPT, err
+
+
+def test_reference_skip_at_kl_coefficient_zero(workers, record_property):
+    """No ``ref_log_prob`` (the pass was skipped): verl's own loss without its ``0 * KL`` term, bitwise."""
+    ref = workers["plain"].run(None, use_kl_loss=True, kl_loss_coef=0.0,
+                               batch_extra={"ref_log_prob": h.make_batch()["old_log_probs"] - 0.2})
+    got = workers["plain"].run({"logprob_skip": True, "zero_advantage_filter": False}, use_kl_loss=True,
+                               kl_loss_coef=0.0)
+    err = h.max_rel(got, ref)
+    record_property("exact_megatron_legacy_reference_skip_grad_rel", err)
+    assert err == 0.0 and "actor/kl_loss" in ref.metrics and "actor/kl_loss" not in got.metrics
+    assert got.metrics["grpo_patches/reference_passes_skipped"] == 1.0
+    assert workers["plain"].actor.config.use_kl_loss  # restored
+
+
+@OLD_SKIP
+def test_on_policy_update_skips_the_old_logprob_pass(workers, tolerance, record_property):
+    """The legacy trainer's real ``_compute_old_log_prob`` and ``_update_actor`` on the Megatron worker."""
+    ref = lh.old_pass_then_update(workers["plain"], None)
+    got = lh.old_pass_then_update(workers["plain"], {"logprob_skip": True, "zero_advantage_filter": False})
+    err = h.max_rel(got, ref)
+    record_property("exact_megatron_legacy_old_logprob_skip_grad_rel", err)
+    assert err <= tolerance and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
+    assert got.metrics["grpo_patches/old_log_probs_substituted"] == 1.0
+    assert got.metrics["grpo_patches/old_logprob_passes_skipped"] == 1.0
+    assert got.status["savings"]["old_logprob_passes_skipped"] == 1
+
+
+def _placeholder_batch(worker):
+    from grpo_patches.adapters.verl import placeholder
+
+    data = worker.data()
+    data.batch["old_log_probs"] = placeholder.like(data.batch["old_log_probs"])
+    return data
+
+
+@OLD_SKIP
+def test_a_placeholder_is_never_read_as_log_probs(workers):
+    """Off-policy (two mini-batches) with skipped old log-probs: an error before anything is trained;
+    a worker without the skip's substitution: verl's policy loss refuses the placeholder."""
+    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+
+    worker = workers["plain"]
+    with pytest.raises(PlaceholderError, match="not on-policy"):
+        worker.run({"logprob_skip": True}, n_mini=2, data=_placeholder_batch(worker))
+    with pytest.raises(PlaceholderError, match="reached verl's policy loss"):
+        worker.run({"logprob_skip": False}, data=_placeholder_batch(worker))
+
+
+def test_auto_notes_what_megatron_does_not_cover(workers):
+    got = workers["plain"].run({"zero_advantage_filter": "auto", "dropped_rows_metrics": True, "tiled_loss": "auto"})
+    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
+    assert "dropped_rows_metrics=True is not available" in notes
+    assert "legacy Megatron actor computes log-probs through Megatron's output layer" in notes
+    assert got.grad_rows == h.ROWS
+
+
+def test_tiled_loss_true_is_one_clear_error(workers):
+    from grpo_patches.errors import GrpoPatchesError
+
+    with pytest.raises(GrpoPatchesError, match="tiled_loss"):
+        workers["plain"].run({"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False})
+
+
+# --- two processes: tensor parallel 2, pipeline parallel 2, data parallel 2 ----------------------
+
+TOPOLOGIES = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict()}
+MULTI = [("token-mean", False, 2, "interleaved"), ("seq-mean-token-mean", True, 1, "grouped"),
+         ("seq-mean-token-sum-norm", False, 1, "grouped")]
+
+
+def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, topology: str) -> None:
+    torch.set_num_threads(1)
+    shape = TOPOLOGIES[topology]
+    dp = 2 if topology == "dp2" else 1
+    lh.setup(rank, 2, port, **shape)
+    worker = lh.LegacyMegatronWorker(model_path, dp=dp, **shape)
+    noise = 0.0
+    if mh.GPU:  # bf16: the re-batching noise floor (static vs dynamic micro-batches, unpatched)
+        kw = dict(dp_rank=rank if dp == 2 else 0, dp=dp)
+        noise = h.max_rel(worker.run(None, dynamic=True, **kw), worker.run(None, **kw))
+    results = []
+    for agg, dynamic, n_mini, zero in MULTI:
+        kw = dict(agg=agg, dynamic=dynamic, n_mini=n_mini, zero=zero, dp_rank=rank if dp == 2 else 0, dp=dp)
+        ref = worker.run(None, **kw)
+        got = worker.run(FILTER, **kw)
+        results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
+                        "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows,
+                        "ref_grad_rows": ref.grad_rows, "tol": max(TOL, 2 * noise)})
+    with open(os.path.join(out_dir, f"{topology}-rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def two_process_results(request, tmp_path_factory):
+    if mh.GPU and torch.cuda.device_count() < 2:
+        pytest.skip("not run: two processes need two GPUs on the gpu tier")
+    out = tmp_path_factory.mktemp(f"verl_megatron_legacy_{request.param}")
+    path = mh.model_dir(str(out))
+    mp.spawn(_two_process_worker, args=(h.free_port(), str(out), path, request.param), nprocs=2, join=True)
+    return request.param, [json.loads((out / f"{request.param}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_processes_exact_with_identical_schedules(two_process_results, record_property):
+    topology, (rank0, rank1) = two_process_results
+    for a, b in zip(rank0, rank1):
+        assert a["err"] <= a["tol"] and b["err"] <= b["tol"], (topology, a, b)
+        # every stage / TP rank / DP rank runs the same micro-batches (a pipeline schedule hangs otherwise)
+        assert a["steps"] == b["steps"] and a["forwards"] == b["forwards"], (topology, a, b)
+        assert a["forwards"] < a["ref_forwards"] and a["grad_rows"] < a["ref_grad_rows"], (topology, a)
+    record_property(f"exact_megatron_legacy_filter_grad_rel_{topology}", max(r["err"] for r in rank0 + rank1))
+    record_property(f"saved_megatron_legacy_autograd_rows_{topology}",
+                    rank0[0]["ref_grad_rows"] - rank0[0]["grad_rows"])
