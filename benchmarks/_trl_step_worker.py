@@ -81,7 +81,7 @@ def run(spec: dict) -> dict:
         output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["rows"],
         num_generations=spec["generations"], max_completion_length=spec["completion_tokens"],
         gradient_accumulation_steps=spec["ga"], steps_per_generation=spec["spg"], beta=0.0,
-        learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, use_cpu=True, bf16=False,
+        learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, use_cpu=spec.get("device", "cpu") == "cpu", bf16=False,
         report_to="none", disable_tqdm=True,
     )
     trainer = GRPOTrainer(

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spg", type=int, default=2, help="steps_per_generation")
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch threads per run")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where TRL trains (fp32 either way; the timer waits for CUDA's queue per component)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     p.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
@@ -90,7 +92,7 @@ def run_one(args: argparse.Namespace, variant: str, fraction: float, tmp: Path) 
         "options": VARIANTS[variant], "zero_fraction": fraction, "hidden": args.hidden, "layers": args.layers,
         "vocab": args.vocab, "completion_tokens": args.completion_tokens, "rows": args.rows,
         "generations": args.generations, "ga": args.ga, "spg": args.spg, "steps": args.steps,
-        "warmup": args.warmup, "threads": args.threads, "prompt_words": args.prompt_words,
+        "warmup": args.warmup, "threads": args.threads, "device": args.device, "prompt_words": args.prompt_words,
         "prompts": max(64, 4 * args.steps * args.ga * prompts_per_rollout),
         "model_dir": str(tmp / "model"), "output_dir": str(tmp / f"out_{variant}_{fraction}"),
         "result_path": str(tmp / f"result_{variant}_{fraction}.json"),

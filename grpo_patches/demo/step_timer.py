@@ -31,6 +31,15 @@ COMPONENTS = ("generation", "old_logprobs", "policy_forward", "backward", "optim
 TRAINER_SIDE = ("old_logprobs", "policy_forward", "backward", "optimizer")
 
 
+def _sync() -> None:
+    """On a GPU, wait for the queued kernels, so that a component's wall time is its own work's."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @dataclass
 class StepTimer:
     """Accumulates seconds per component; :attr:`steps` holds one dict per optimizer step."""
@@ -46,10 +55,12 @@ class StepTimer:
 
     @contextmanager
     def _timed(self, component: str) -> Iterator[None]:
+        _sync()
         start, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
+            _sync()
             self.totals[component] += time.perf_counter() - start
             self.totals[f"cpu_{component}"] += time.process_time() - cpu
 
