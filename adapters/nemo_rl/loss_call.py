@@ -12,7 +12,9 @@ One record per tag line (the loss moved and changed signature):
   DTensor logits).
 * v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to do there.
 * Verify mode (v0.6.0+): on a verified global batch whose prev-logprob pass was skipped, the
-  log-probs the loss gets are measured against that pass (:func:`.verify.measure_prev`).
+  log-probs the loss gets are measured against that pass (:func:`.verify.measure_prev`); v0.6.0,
+  when the reference pass was skipped: the loss with and without its placeholder
+  (:func:`.verify.measure_reference`).
 * Under the zero-advantage filter (``dropped_rows_metrics=False``) the metrics are made honest
   by :mod:`.metrics`; on v0.5.0 the filter's counters ride on the first micro-batch's
   metrics (its worker has no other way back, see :mod:`.filter_v050`).
@@ -26,7 +28,7 @@ from grpo_patches import api
 
 from .calls import arguments
 from .metrics import adjust_kept_rows
-from .verify import measure_prev
+from .verify import measure_prev, measure_reference
 from .state import (
     COUNTERS,
     CURRENT_V050,
@@ -124,6 +126,7 @@ def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     """v0.6.0 ``ClippedPGLossFn.__call__(next_token_logprobs, data, global_valid_seqs, global_valid_toks)``."""
     call = arguments(wrapped, args, kwargs)
     measure_prev(call)
+    measure_reference(wrapped, call)
     substituted = False
     if getattr(instance, PREV_IS_CURRENT, False):
         call["data"], substituted = _with_prev(call["data"], call["next_token_logprobs"]), True
@@ -133,8 +136,10 @@ def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
 def call_v070(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """v0.7.0+ ``ClippedPGLossFn.__call__``: its own on-policy path needs nothing; filter metrics only."""
     train = active_train()
-    if train is not None and train.prev_diff is not None:  # verify mode: a skipped pass against what the loss used
-        measure_prev(arguments(wrapped, args, kwargs))
+    if train is not None and (train.prev_diff, train.reference_diff) != (None, None):  # verify mode (:mod:`.verify`)
+        call = arguments(wrapped, args, kwargs)
+        measure_prev(call)
+        measure_reference(wrapped, call)
     if _current_plan() is None:
         return wrapped(*args, **kwargs)
     return _finish(wrapped, instance, arguments(wrapped, args, kwargs), False, share=True)

@@ -32,6 +32,11 @@ PREV_IS_CURRENT = "_grpo_patches_prev_is_current"
 #: the patched loss does not read and the worker compares with the log-probs it used (:mod:`.verify`).
 VERIFY_PREV = "_grpo_patches_verify_prev"
 
+#: Set (``True``) on the loss object for one ``Policy.train`` call on a verify step whose reference
+#: pass grpo_patches skipped (v0.6.0: no reference model at KL 0): the worker computes the loss
+#: with and without the zero placeholder (:mod:`.verify`).
+VERIFY_REFERENCE = "_grpo_patches_verify_reference"
+
 #: Prefix of what the workers add to the metrics NeMo-RL logs.
 METRIC_PREFIX = "grpo_patches/"
 #: Set by a v0.5 / v0.6 worker's loss when it used the current log-probs as prev (:mod:`.loss_call`).
@@ -148,6 +153,8 @@ class TrainCall:
         trained, called again (:mod:`.verify`).
     :ivar prev_diff: verify mode: the largest ``|current - prev|`` the loss calls saw (``None``:
         not measured on this global batch).
+    :ivar reference_diff: verify mode: the largest difference of the loss with and without the
+        reference pass's placeholder (``None``: not measured).
     :ivar figures: verify mode's figures of the call (the largest of each).
     :ivar switched_off: verify mode switched these options off during the call (for the driver).
     """
@@ -165,6 +172,7 @@ class TrainCall:
     unpatched: bool = False
     remake: Any = None
     prev_diff: float | None = None
+    reference_diff: float | None = None
     figures: dict[str, float] = field(default_factory=dict)
     switched_off: dict[str, str] = field(default_factory=dict)
 

@@ -121,6 +121,15 @@ def _collect(policy: Any, result: Any, skipped: bool, loop: LoopState | None) ->
     _reduce_kept_extrema(metrics)
 
 
+def _both(first: Any, second: Any) -> Any:
+    def undo() -> None:
+        if first is not None:
+            first()
+        second()
+
+    return undo
+
+
 def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Policy.train(data, loss_fn, eval_mode=False, gbs=None, ...)``."""
     loop = ACTIVE_LOOP.get()
@@ -153,6 +162,10 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
                 force = saved["force_on_policy_ratio"]
                 undo_verify = verify_driver.run_skipped_pass(loop, instance, data, loss_fn,
                                                              None if force is _ABSENT else force)
+    if driven and verify_driver.due(step):
+        undo_reference = verify_driver.flag_reference(instance, loss_fn)
+        if undo_reference is not None:
+            undo_verify = _both(undo_verify, undo_reference)
     try:
         result = wrapped(*args, **kwargs)
     except Exception as exc:

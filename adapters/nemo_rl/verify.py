@@ -19,6 +19,9 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
 3. compares, in this order, on every rank alike (each check one all-reduce):
    a skipped prev-logprob pass: the log-probs the patched loss used (the detached current ones)
    against the pass, over the loss tokens (:func:`measure_prev`), ``grpo_patches/verify/old_logprob_max_abs_diff``;
+   a skipped reference pass (v0.6.0 at KL 0): the loss with its zero placeholder against the
+   loss with other values there (:func:`measure_reference`), ``grpo_patches/verify/reference_loss_max_abs_diff``
+   (a difference cannot be undone: no reference model was built; ``"disable"`` raises too);
    filter / tiled loss: the step's gradient, relative L2, ``grpo_patches/verify/grad_rel_diff``
    (:func:`grpo_patches.verify.judge_gradients`; not compared when the first check failed: the
    unpatched result is used then anyway, and the difference would be blamed on them);
@@ -43,10 +46,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from grpo_patches import verify
+from grpo_patches import verify, verify_log
 
 from .calls import arguments
-from .state import FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, TrainCall, active_train, worker_state
+from grpo_patches.errors import ExactnessError
+
+from .state import FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
 
 SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
 #: ``<prefix><option>`` = 1 in the metrics of a call in which verification switched ``option`` off.
@@ -75,10 +80,11 @@ def forward_backward_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
     step = own.optimizer_steps
     own.optimizer_steps += 1
     prev = isinstance(getattr(train.loss_fn, VERIFY_PREV, None), dict)
+    reference = bool(getattr(train.loss_fn, VERIFY_REFERENCE, False))
     names = [name for name, on in ((FILTER, train.filter_on), (TILED, train.tiled_on)) if on]
-    if not (prev or (names and verify.due(FRAMEWORK, step))) or train.remake is None:
+    if not (prev or reference or (names and verify.due(FRAMEWORK, step))) or train.remake is None:
         return wrapped(*args, **kwargs)
-    return GlobalBatchCheck(wrapped, call, train, step, names, prev).run()
+    return GlobalBatchCheck(wrapped, call, train, step, names, prev, reference).run()
 
 
 def measure_prev(call: dict[str, Any]) -> None:
@@ -93,6 +99,27 @@ def measure_prev(call: dict[str, Any]) -> None:
     width = min(int(current.shape[1]), int(prev.shape[1]))
     measured = verify.max_abs_diff(current.detach()[:, :width], prev[:, :width], mask[:, :width].to(current.device))
     train.prev_diff = max(train.prev_diff, measured)
+
+
+def measure_reference(loss: Callable[..., Any], call: dict[str, Any]) -> None:
+    """In a loss call of a verified global batch whose reference pass was skipped (its
+    log-probs are a zero placeholder): the loss with the placeholder against the loss with
+    other values in its place (the detached current log-probs), without autograd. A loss that
+    does not read them (KL penalty 0) gives exactly the same value."""
+    train = active_train()
+    if train is None or train.reference_diff is None or "reference_policy_logprobs" not in call["data"]:
+        return
+    import torch
+
+    data, current = call["data"], call["next_token_logprobs"].detach()
+    other = type(data)(data)
+    values = torch.zeros(data["reference_policy_logprobs"].shape, dtype=current.dtype, device=current.device)
+    values[:, 1:] = current[:, : values.shape[1] - 1]
+    other["reference_policy_logprobs"] = values.to(data["reference_policy_logprobs"].dtype)
+    with torch.no_grad():
+        without = loss(**{**call, "next_token_logprobs": current})[0]
+        with_values = loss(**{**call, "next_token_logprobs": current, "data": other})[0]
+    train.reference_diff = max(train.reference_diff, verify.max_abs_diff(with_values, without))
 
 
 @contextmanager
@@ -135,8 +162,9 @@ class GlobalBatchCheck:
     """One verified global batch (module docstring)."""
 
     def __init__(self, wrapped: Callable[..., Any], call: dict[str, Any], train: TrainCall, step: int,
-                 names: list[str], prev: bool) -> None:
+                 names: list[str], prev: bool, reference: bool = False) -> None:
         self.wrapped, self.call, self.train, self.step, self.names, self.prev = wrapped, call, train, step, names, prev
+        self.reference = reference
         self.params = [p for p in call["model"].parameters() if p.requires_grad]
         mesh = getattr(train.worker, "dp_mesh", None)
         self.group = mesh.get_group() if mesh is not None else None
@@ -144,11 +172,12 @@ class GlobalBatchCheck:
 
     def patched(self) -> tuple[Any, list, Any]:
         self.train.prev_diff = 0.0 if self.prev else None
+        self.train.reference_diff = 0.0 if self.reference else None
         try:
             results = self.wrapped(**self.call)
         finally:
-            measured, self.train.prev_diff = self.train.prev_diff, None
-        self.prev_measured = measured
+            self.prev_measured, self.train.prev_diff = self.train.prev_diff, None
+            self.reference_measured, self.train.reference_diff = self.train.reference_diff, None
         return results, _take_grads(self.params), verify.rng_state()
 
     def unpatched(self, start: Any) -> tuple[Any, list, Any]:
@@ -186,6 +215,18 @@ class GlobalBatchCheck:
                                    detail="the detached current log-probs the loss used against the skipped "
                                           "prev-logprob pass")
             self.record(verdict, [SKIP], failed)
+        if self.reference:  # judged here: with no reference model built there is no unpatched result to use
+            quantity, limit = "reference_loss_max_abs_diff", verify.tolerance(FRAMEWORK, self.dtype)
+            measured = verify.agree({quantity: self.reference_measured}, self.group)[quantity]
+            failure = None if measured <= limit else f"step {self.step}: {SKIP}: {quantity} = {measured:.3e} > {limit:.3e}"
+            verify_log.record(FRAMEWORK, self.step, quantity, measured, failure)
+            if failure is not None:  # "raise" and "disable" alike
+                raise ExactnessError(FRAMEWORK, (SKIP,), self.step, quantity, measured, limit,
+                                     "the loss reads the skipped reference pass's zero placeholder; it cannot be "
+                                     "switched off mid-run (no reference model was built): restart with "
+                                     "logprob_skip=False")
+            self.record(verify.Verdict(True, measured, limit, {verify.METRIC_PREFIX + quantity: measured}), [SKIP],
+                        failed)
         if self.names and not failed:
             verdict = verify.judge_gradients(FRAMEWORK, self.names, self.step, patched_grads, plain_grads,
                                              dtype=self.dtype, group=self.group,

@@ -13,6 +13,9 @@ workers' optimizer step too).
   path); the workers compare it with the log-probs the loss used and run NeMo-RL's unpatched
   computation on it (:mod:`.verify`). Afterwards the zeros are put back: the driver's batch is
   as without verification.
+* :func:`flag_reference`: on a verify step of a policy built without its reference model
+  (v0.6.0 at KL 0), the workers also compare the loss with and without the reference pass's
+  zero placeholder (:data:`~.state.VERIFY_REFERENCE`).
 * :func:`collect`: the workers' figures (``grpo_patches/verify/<quantity>``, each worker's
   largest) are reduced to their maximum in the metrics NeMo-RL logs and recorded for this
   process's ``status()``; a ``grpo_patches/verify/switched_off/<option>`` marker (a worker's
@@ -34,7 +37,7 @@ from grpo_patches import api, verify, verify_log
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning
 
 from . import version
-from .state import FRAMEWORK, VERIFY_PREV, LoopState
+from .state import FRAMEWORK, VERIFY_PREV, VERIFY_REFERENCE, LoopState, peek_policy
 from .verify import SWITCHED_OFF
 
 
@@ -62,6 +65,17 @@ def run_skipped_pass(loop: LoopState, policy: Any, data: Any, loss_fn: Any, forc
         loss_fn.__dict__.pop(VERIFY_PREV, None)
 
     return restore
+
+
+def flag_reference(policy: Any, loss_fn: Any) -> Callable[[], None] | None:
+    """On a verify step of a policy built without its reference model (v0.6.0, KL 0): the loss
+    carries :data:`~.state.VERIFY_REFERENCE` for the call, the workers compare the loss with and
+    without the zero placeholder. ``None`` when the reference pass was not skipped by grpo_patches."""
+    own = peek_policy(policy)
+    if own is None or not own.reference_skipped:
+        return None
+    setattr(loss_fn, VERIFY_REFERENCE, True)
+    return lambda: loss_fn.__dict__.pop(VERIFY_REFERENCE, None)
 
 
 def collect(metrics: dict[str, list], step: int) -> None:

@@ -66,7 +66,7 @@ def verify_passes_and_leaves_no_trace(tag: str, factory: Factory, record_propert
     plain = train(tag, factory, batch, options, gbs=6, mbs=2)
     verified = train(tag, factory, batch, {**options, "verify_every": 1}, gbs=6, mbs=2)
     figure = verified.metrics[PREFIX + "grad_rel_diff"]
-    record_property(f"verify_{label}grad_rel_diff", max(figure))
+    record_property(f"exact_verify_{label}grad_rel_diff", max(figure))
     assert len(figure) == 1 and 0.0 <= figure[0] <= 1e-5
     assert len(verified.step_grads) == len(plain.step_grads) == 2
     for ours, theirs in zip(verified.step_grads, plain.step_grads):
@@ -103,7 +103,7 @@ def faulty_filter_disable_ends_as_unpatched(tag: str, factory: Factory, record_p
         got = train(tag, factory, batch, {"zero_advantage_filter": True, "verify_every": 10,
                                           "verify_action": "disable"}, gbs=6, mbs=2, plugins=(plugin,))
     diff = max_grad_rel(got, base)
-    record_property("verify_disable_grad_rel", diff)
+    record_property("exact_verify_disable_grad_rel", diff)
     assert plugin.calls >= 1 and diff <= TOL  # a dropped row moves the gradient by far more
     assert got.status["switched_off"].keys() == {"zero_advantage_filter"}
     assert got.status["notes"]["zero_advantage_filter"].startswith("off: switched off by verification at step 0")
@@ -132,7 +132,7 @@ def skipped_prev_is_checked(tag: str, factory: Factory, record_property: Callabl
     options = {"zero_advantage_filter": False, "verify_every": 1}
     got = train(tag, factory, dict(batch, prev_logprobs=real), options, gbs=12, mbs=4, loss_fn=_skipped_prev_loss(tag))
     figure = got.metrics[PREFIX + "old_logprob_max_abs_diff"]
-    record_property("verify_old_logprob_max_abs_diff", figure[0])
+    record_property("exact_verify_old_logprob_max_abs_diff", figure[0])
     assert len(figure) == 1 and figure[0] <= 1e-5 and got.status["verify"]["failures"] == []
     on_policy = train(tag, factory, dict(batch, prev_logprobs=torch.zeros_like(real)), {"zero_advantage_filter": False},
                       gbs=12, mbs=4, loss_fn=_skipped_prev_loss(tag))
@@ -153,3 +153,23 @@ def skipped_prev_is_checked(tag: str, factory: Factory, record_property: Callabl
                      loss_fn=make_loss(tag, use_importance_sampling_correction=False))
     assert max_grad_rel(disabled, upstream) <= TOL  # the step used the unpatched result: the pass's values
     assert disabled.metrics[PREFIX + "switched_off/logprob_skip"] == [1.0]
+
+
+def skipped_reference_is_checked(tag: str, factory: Factory) -> None:
+    """A call whose reference pass was skipped (zeros; the driver flags it on v0.6.0 at KL 0): the
+    loss with and without the placeholder is the same at KL 0; a loss that reads it is caught."""
+    from grpo_patches.adapters.nemo_rl.state import VERIFY_REFERENCE
+
+    batch = dict(on_policy_batch(tag, factory), reference_policy_logprobs=torch.zeros(12, 9))
+    for kl in (0.0, 0.1):
+        loss = make_loss(tag, reference_policy_kl_penalty=kl)
+        setattr(loss, VERIFY_REFERENCE, True)
+        if kl == 0.0:
+            got = train(tag, factory, batch, {"zero_advantage_filter": False, "verify_every": 1}, gbs=12, mbs=4,
+                        loss_fn=loss)
+            assert got.metrics[PREFIX + "reference_loss_max_abs_diff"] == [0.0]
+            continue
+        with pytest.raises(ExactnessError, match="reference_loss_max_abs_diff") as caught:
+            train(tag, factory, batch, {"zero_advantage_filter": False, "verify_every": 1,
+                                        "verify_action": "disable"}, gbs=12, mbs=4, loss_fn=loss)
+        assert caught.value.measured > 1e-3
