@@ -94,8 +94,8 @@ def verify_lines(rows: list[dict[str, Any]]) -> str:
             continue
         figures = ", ".join(f"{k.rsplit('/', 1)[-1]} <= {v:.1e}" for k, v in r["verify_figures"].items())
         lines.append(f"- {NAMES.get(r['framework'], r['framework'])}: a verify step (verify_every=1) takes "
-                     f"**{r['verify_ratio']:.2f}×** the trainer-side time of a normal patched step (median over "
-                     f"rounds); figures: {figures or 'none'}")
+                     f"**{r['verify_ratio']:.2f}×** the trainer-side time of a normal patched step (CPU time: "
+                     f"{_ratio(r.get('verify_ratio_cpu'))}; median over rounds); figures: {figures or 'none'}")
     return "\n\nVerify mode (`--verify`):\n\n" + "\n".join(lines) if lines else ""
 
 

@@ -184,6 +184,9 @@ def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]
     if pairs:  # a verify step against a normal patched one of the same round
         extra = {"verify_ratio": statistics.median(per_step(v, "trainer_side") / per_step(on, "trainer_side")
                                                    for on, v in pairs),
+                 "verify_ratio_cpu": (statistics.median(per_step(v, "cpu_trainer_side") / per_step(on, "cpu_trainer_side")
+                                                        for on, v in pairs) if "cpu_trainer_side" in on_last["steps"][0]
+                                      else None),
                  "verify_figures": {k: max(v.get("verify_figures", {}).get(k, 0.0) for _, v in pairs)
                                     for k in sorted({k for _, v in pairs for k in v.get("verify_figures", {})})}}
     elif verified:
