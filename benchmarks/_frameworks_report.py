@@ -83,9 +83,25 @@ def chart(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def verify_lines(rows: list[dict[str, Any]]) -> str:
+    """``--verify``: a verify step's cost against a normal patched step, per framework that ran one."""
+    lines = []
+    for r in rows:
+        if "verify_ratio" not in r:
+            continue
+        if r["verify_ratio"] is None:
+            lines.append(f"- {NAMES.get(r['framework'], r['framework'])}: verify run failed: {r.get('verify_error')}")
+            continue
+        figures = ", ".join(f"{k.rsplit('/', 1)[-1]} <= {v:.1e}" for k, v in r["verify_figures"].items())
+        lines.append(f"- {NAMES.get(r['framework'], r['framework'])}: a verify step (verify_every=1) takes "
+                     f"**{r['verify_ratio']:.2f}×** the trainer-side time of a normal patched step (CPU time: "
+                     f"{_ratio(r.get('verify_ratio_cpu'))}; median over rounds); figures: {figures or 'none'}")
+    return "\n\nVerify mode (`--verify`):\n\n" + "\n".join(lines) if lines else ""
+
+
 def write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    text = table(meta, rows)
+    text = table(meta, rows) + verify_lines(rows)
     (out / "frameworks.md").write_text(text + "\n")
     (out / "frameworks.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     chart(out / "frameworks.png", meta, rows)

@@ -14,7 +14,9 @@ framework off then on, round 2, ...) so a slow phase of this shared machine hits
 alike. Reported per framework: trainer-side seconds per optimizer step (generation excluded,
 reported apart; median over timed steps, then over rounds) and the patched/unpatched ratio of
 the same round (median), old-logprob and reference passes, rows dropped from the update, peak
-RSS, and the largest final-weight difference patched vs unpatched. Writes ``frameworks.md``,
+RSS, and the largest final-weight difference patched vs unpatched. ``--verify`` adds, for
+NeMo-RL, a patched run with ``verify_every=1`` to each round: the cost of a verify step against a
+normal patched step (trainer side, same round, median) and verify mode's largest figures. Writes ``frameworks.md``,
 ``frameworks.json`` and ``frameworks.png`` (one panel per metric) to ``--out-dir``.
 
 Interpreters (``_interpreters.py``): ``--python NAME=PATH``, else ``$GRPO_BENCH_PYTHON_<NAME>``,
@@ -52,6 +54,8 @@ import _frameworks_report as report  # noqa: E402
 import _interpreters as interpreters  # noqa: E402
 import workload  # noqa: E402
 
+#: Runners that take ``spec["verify_every"]`` (``--verify``; TRL's verify cost: ``trl_step.py --verify``).
+VERIFY_RUNNERS = ("nemo_rl",)
 FRAMEWORKS = {"trl": "trl", "verl": "verl", "verl_v1": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
 #: A runner's adapter when it is another name's (verl_v1: verl 0.9+ through main_ppo).
 ADAPTERS = {"verl_v1": "verl"}
@@ -159,8 +163,9 @@ def weight_diff(a: Path, b: Path) -> float:
     return max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
 
 
-def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]) -> dict[str, Any]:
-    """One row per framework from its (off, on, weight diff) rounds."""
+def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]],
+              verified: list[dict] | None = None) -> dict[str, Any]:
+    """One row per framework from its (off, on, weight diff) rounds (and ``--verify``'s runs, one a round)."""
     ok = [(off, on, d) for off, on, d in runs if "error" not in off and "error" not in on]
     skipped = next((r["not_run"] for pair in runs for r in pair[:2] if "not_run" in r), None)
     if skipped:
@@ -173,7 +178,20 @@ def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]
         return statistics.median(s[key] for s in run["steps"][spec["warmup"]:] or run["steps"])
 
     off_last, on_last = ok[-1][0], ok[-1][1]
-    return {
+    extra: dict[str, Any] = {}
+    pairs = [(on, v) for (off, on, _), v in zip(runs, verified or []) if "error" not in on and "error" not in v
+             and "not_run" not in v]
+    if pairs:  # a verify step against a normal patched one of the same round
+        extra = {"verify_ratio": statistics.median(per_step(v, "trainer_side") / per_step(on, "trainer_side")
+                                                   for on, v in pairs),
+                 "verify_ratio_cpu": (statistics.median(per_step(v, "cpu_trainer_side") / per_step(on, "cpu_trainer_side")
+                                                        for on, v in pairs) if "cpu_trainer_side" in on_last["steps"][0]
+                                      else None),
+                 "verify_figures": {k: max(v.get("verify_figures", {}).get(k, 0.0) for _, v in pairs)
+                                    for k in sorted({k for _, v in pairs for k in v.get("verify_figures", {})})}}
+    elif verified:
+        extra = {"verify_ratio": None, "verify_error": next((v.get("error") for v in verified if "error" in v), None)}
+    return {**extra,
         "framework": name, "status": "ok", "version": off_last["version"], "line": off_last["line"],
         "trainer_side_off_s": statistics.median(per_step(off, "trainer_side") for off, _, _ in ok),
         "trainer_side_on_s": statistics.median(per_step(on, "trainer_side") for _, on, _ in ok),
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"seconds per run before it counts as failed (default: {DEFAULTS['timeout']})")
     p.add_argument("--out-dir", type=Path, default=DEFAULTS["out_dir"],
                    help=f"where frameworks.{{md,json,png}} go (default: {interpreters.shown(DEFAULTS['out_dir'])})")
+    p.add_argument("--verify", action="store_true",
+                   help="NeMo-RL: add a patched run with verify_every=1 to each round (every step a verify step) and "
+                        "report the cost of a verify step against a normal patched one (same round, median)")
     p.add_argument("--nemo-rl-tag", default=os.environ.get("NEMO_RL_TAG"),
                    help="the NeMo-RL tag to export from $NEMO_RL_SRC (default: $NEMO_RL_TAG, else the newest tag "
                         "the runner runs that has an interpreter)")
@@ -225,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {python.version} from {origin}" if python else f"{name}: not run: {origin}", flush=True)
     active = [name for name, (python, _) in pythons.items() if python]
     runs: dict[str, list] = {name: [] for name in active}
+    verified: dict[str, list] = {name: [] for name in active}
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="grpo_bench_") as tmp, \
-            tqdm(total=rounds * len(active) * 2, unit="run", desc="frameworks") as bar:
+            tqdm(total=rounds * len(active) * 2, unit="run", desc="frameworks") as bar:  # (--verify: not counted)
         for r in range(rounds):
             for name in active:
                 pair = []
@@ -240,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                 diff = None if any("error" in x or "not_run" in x for x in pair) else weight_diff(Path(tmp, f"{name}-0.pt"),
                                                                                  Path(tmp, f"{name}-1.pt"))
                 runs[name].append((*pair, diff))
-    rows = [summarise(name, spec, runs[name]) for name in active]
+                if args.verify and name in VERIFY_RUNNERS:
+                    bar.set_postfix_str(f"round {r + 1} {name} on, verify_every=1")
+                    verified[name].append(run_one(pythons[name][0], name, True, {**spec, "verify_every": 1},
+                                                  Path(tmp, f"{name}-2.pt"), args.timeout))
+    rows = [summarise(name, spec, runs[name], verified[name]) for name in active]
     rows += [{"framework": name, "status": f"not run: {origin}"} for name, (py, origin) in pythons.items() if not py]
     meta = {"date": datetime.date.today().isoformat(), "spec": spec, "rounds": rounds, "workload": workload.describe(spec),
             "cpu_count": os.cpu_count(), "command": command_line(argv if argv is not None else sys.argv[1:]),

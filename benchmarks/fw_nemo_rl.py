@@ -22,7 +22,8 @@ and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 in ``grpo_train``: ``state.ACTIVE_LOOP``). Generation is HF ``generate`` from the policy, timed
 apart; ``generation_logprobs`` are zeros (vLLM's; no gradient reads them here). Reported
 besides the passes: ``logprob_pass_forwards``, the model forwards the log-prob passes ran (0
-when both are skipped). Called by ``_framework_worker.py``; the source comes on
+when both are skipped); with ``spec["verify_every"]`` (``frameworks.py --verify``) patched runs
+turn verify mode on and report its largest figures (``verify_figures``). Called by ``_framework_worker.py``; the source comes on
 ``PYTHONPATH`` (``frameworks.py --nemo-rl-tag``); v0.5.0 is "not run".
 """
 
@@ -192,6 +193,9 @@ def _step(tag: str, policy: Any, loss_fn: Any, config: Any, data: Any, rewards: 
     return policy.train(data, loss_fn)
 
 
+#: Verify mode's figures in NeMo-RL's metrics (``frameworks.py --verify``).
+VERIFY_PREFIX = "grpo_patches/verify/"
+
 #: NeMo-RL's own timers (``timing/train/<name>``, seconds per step) that make up the trainer side.
 TRAINER_SIDE = ("logprob_inference_prep", "policy_and_reference_logprobs", "training_prep", "policy_training")
 
@@ -226,8 +230,9 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
         venvs = root / "venvs"
         e2e.worker_venv(venvs)
         with e2e.RayCluster() as cluster:
+            options = f"verify_every={spec['verify_every']}" if spec.get("verify_every") else ""
             result = e2e.run_grpo(e2e.source_root(), root / "run", cluster, venvs, files, shape.rows,
-                                  "" if patched else None, shape=shape, timeout=1500, threads=spec["threads"],
+                                  options if patched else None, shape=shape, timeout=1500, threads=spec["threads"],
                                   save_calls=(0, shape.steps))
         if result.returncode != 0:
             raise RuntimeError(f"run_grpo.py exited {result.returncode}: {result.output[-3000:]}")
@@ -242,7 +247,9 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
                 "line": f"{tag} examples/run_grpo.py (Ray)", "steps": steps, "old_logprob_passes": len(prev_pass),
                 "reference_passes": max((len(result.scalars[k]) for k in reference), default=0),
                 "rows_dropped": int(sum(result.step_values("train/grpo_patches/rows_dropped"))),
-                "rows_total": shape.rows * shape.steps, "peak_rss_mb": result.worker[-1]["peak_rss_mb"]}
+                "rows_total": shape.rows * shape.steps, "peak_rss_mb": result.worker[-1]["peak_rss_mb"],
+                "verify_figures": {k.split("/", 1)[1]: max(result.step_values(k)) for k in result.scalars
+                                   if k.startswith("train/" + VERIFY_PREFIX)}}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -267,11 +274,11 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     from grpo_patches.testing.nemo_rl_tags import make_loss
 
     if patched:
-        grpo_patches.enable("nemo_rl")  # the defaults
+        grpo_patches.enable("nemo_rl", verify_every=spec.get("verify_every"))  # the defaults (frameworks.py --verify: verify mode)
     config, policy = _setup(tag, spec, patched)
     loss_fn, group = make_loss(tag), policy.worker_group
     model, tokenizer = group.worker.model, tiny_model.build_tokenizer()
-    steps, dropped, total = [], 0, 0
+    steps, dropped, total, figures = [], 0, 0, {}
 
     def loop(policy: Any, loss_fn: Any, master_config: Any) -> None:  # grpo_train's signature, as far as read
         nonlocal dropped, total
@@ -285,6 +292,9 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
                           "cpu_trainer_side": time.process_time() - cpu})
             total += int(data["input_ids"].shape[0])
             dropped += int(sum(float(v) for v in result["all_mb_metrics"].get("grpo_patches/rows_dropped", [0])))
+            for key, values in result["all_mb_metrics"].items():
+                if key.startswith(VERIFY_PREFIX):
+                    figures[key] = max([figures.get(key, 0.0), *map(float, values)])
 
     kwargs = {"policy": policy, "loss_fn": loss_fn, "master_config": config}
     if patched:
@@ -298,4 +308,4 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     return {"version": str(registry.get("nemo_rl").installed_version()), "line": f"{tag} DTensorPolicyWorkerV2",
             "steps": steps, "old_logprob_passes": passes["get_logprobs"],
             "reference_passes": passes["get_reference_policy_logprobs"], "logprob_pass_forwards": group.logprob_forwards,
-            "rows_dropped": dropped, "rows_total": total}
+            "rows_dropped": dropped, "rows_total": total, "verify_figures": figures}

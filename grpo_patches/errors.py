@@ -41,7 +41,7 @@ class ExactnessError(GrpoPatchesError, RuntimeError):
     def __init__(self, framework: str, optimizations: tuple[str, ...], step: int, quantity: str,
                  measured: float, tolerance: float, detail: str = "") -> None:
         self.framework, self.optimizations, self.step = framework, tuple(optimizations), step
-        self.quantity, self.measured, self.tolerance = quantity, measured, tolerance
+        self.quantity, self.measured, self.tolerance, self.detail = quantity, measured, tolerance, detail
         names = ", ".join(self.optimizations)
         super().__init__(
             f"grpo_patches verify: {framework} step {step}: {names} changed the result: {quantity} = {measured:.3e} "
@@ -49,6 +49,11 @@ class ExactnessError(GrpoPatchesError, RuntimeError):
             f"update. Pass verify_action='disable' to continue without {names}, or {names.split(', ')[0]}=False, "
             "and please report it with grpo_patches.status()"
         )
+
+    def __reduce__(self) -> tuple:
+        # rebuilt from its fields, not its message: it crosses processes (NeMo-RL's Ray workers raise it)
+        return (type(self), (self.framework, self.optimizations, self.step, self.quantity, self.measured,
+                             self.tolerance, self.detail))
 
 
 class PlaceholderError(GrpoPatchesError, RuntimeError):

@@ -202,9 +202,23 @@ def compare_gradients(framework: str, optimizations: Sequence[str], step: int, p
     floor = None
     if repeat is not None and _half_eps(dtype) is not None:
         floor = rel_l2(grads_of(repeat(), params), grads_u)
-    measured = rel_l2(grads_p, grads_u)
-    verdict = check(framework, optimizations, step, "grad_rel_diff", measured,
-                    tolerance(framework, dtype, floor), group=group, detail=detail)
+    verdict = judge_gradients(framework, optimizations, step, grads_p, grads_u, dtype=dtype, noise_floor=floor,
+                              group=group, detail=detail)
     if verdict.ok:
         return GradientCheck(as_loss(loss_p, params, grads_p), verdict, floor, True)
     return GradientCheck(as_loss(loss_u, params, grads_u), verdict, floor, False)
+
+
+def judge_gradients(framework: str, optimizations: Sequence[str], step: int,
+                    patched: Sequence["torch.Tensor | None"], unpatched: Sequence["torch.Tensor | None"],
+                    dtype: Any = None, noise_floor: float | None = None, group: Any = None,
+                    detail: str = "") -> Verdict:
+    """:func:`compare_gradients`' verdict on gradients an adapter took itself: ``grad_rel_diff``
+    (:func:`rel_l2`, patched against unpatched) judged by :func:`check`.
+
+    For a framework whose own backward must produce them (NeMo-RL's FSDP2 worker: its
+    gradients exist only as the reduce-scattered ``.grad`` of sharded parameters, which
+    :func:`grads_of` cannot reach); the adapter then leaves ``.grad`` as the chosen one alone
+    would have left it."""
+    return check(framework, optimizations, step, "grad_rel_diff", rel_l2(patched, unpatched),
+                 tolerance(framework, dtype, noise_floor), group=group, detail=detail)

@@ -40,6 +40,11 @@ Workers:
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
   :mod:`.tiled`.
+- ``get_microbatch_iterator`` and ``automodel_forward_backward`` of the worker module (V06+,
+  ``verify_every``): verify mode, each verified optimizer step against NeMo-RL's unpatched
+  computation (:mod:`.verify`); its driver side (the skipped prev-logprob pass run and sent to
+  the workers on a verify step, their verdicts read back) is part of ``Policy.train``'s record
+  (:mod:`.verify_driver`). v0.5.0 has no verify mode (``verify_every`` is refused there).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ TRAIN = "nemo_rl.models.automodel.train"
 BATCH = "nemo_rl.distributed.batched_data_dict"
 LOSS_V05 = "nemo_rl.algorithms.loss_functions"
 LOSS = "nemo_rl.algorithms.loss.loss_functions"
-SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
+SKIP, FILTER, TILED, VERIFY = "logprob_skip", "zero_advantage_filter", "tiled_loss", "verify_every"
 
 #: Every patch record of the NeMo-RL adapter (module, attribute, wrapper, versions, option).
 PATCHES = (
@@ -105,6 +110,12 @@ PATCHES = (
     # after the tiled record on the same function: wraps it (a metrics-only micro-batch skips the tiled loss)
     PatchTarget(TRAIN, "forward_with_post_processing_fn", f"{_H}.filter_v060:metrics_only_forward_wrapper",
                 versions=V06_UP, option=FILTER, pickle_by_reference=True),
+    # verify mode (v0.6.0+ DTensor worker): each verified optimizer step against NeMo-RL's unpatched
+    # computation; after the filter's record on get_microbatch_iterator, so it wraps it
+    PatchTarget(WORKER, "get_microbatch_iterator", f"{_H}.verify:microbatch_iterator_wrapper", versions=V06_UP,
+                option=VERIFY, pickle_by_reference=True),
+    PatchTarget(WORKER, "automodel_forward_backward", f"{_H}.verify:forward_backward_wrapper", versions=V06_UP,
+                option=VERIFY, pickle_by_reference=True),
     # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),
 )

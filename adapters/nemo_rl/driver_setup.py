@@ -30,7 +30,8 @@ from .state import FRAMEWORK
 from .tiled_coverage import not_reproduced, unsupported_loss_settings
 
 #: Options that act in the workers (they read them from ``GRPO_PATCHES_OPTIONS``).
-WORKER_OPTIONS = ("zero_advantage_filter", "tiled_loss", "tile_size", "dropped_rows_metrics")
+WORKER_OPTIONS = ("zero_advantage_filter", "tiled_loss", "tile_size", "dropped_rows_metrics", "verify_every",
+                  "verify_action", "verify_tolerance")
 
 
 def workers_reached(environ: Any = os.environ) -> tuple[bool, str]:
@@ -49,7 +50,7 @@ def check_worker_options(options: Options, environ: Any = os.environ) -> None:
     reached, why = workers_reached(environ)
     if not reached:
         wanted = [o for o in WORKER_OPTIONS if getattr(options, o) not in (False, None)
-                  and o not in ("dropped_rows_metrics",)]
+                  and o not in ("dropped_rows_metrics", "verify_action", "verify_tolerance")]
         api.note(FRAMEWORK, "workers", f"not reached ({why}): the zero-advantage filter and the tiled loss run "
                                        "in the Ray workers only; start the driver with `grpo-patches run -- ...`"
                  + (f" (asked for: {', '.join(wanted)})" if wanted else ""))

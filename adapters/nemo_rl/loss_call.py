@@ -11,6 +11,10 @@ One record per tag line (the loss moved and changed signature):
   log-probs are taken from them without autograd (NeMo-RL's own helper for vocab-parallel
   DTensor logits).
 * v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to do there.
+* Verify mode (v0.6.0+): on a verified global batch whose prev-logprob pass was skipped, the
+  log-probs the loss gets are measured against that pass (:func:`.verify.measure_prev`); v0.6.0,
+  when the reference pass was skipped: the loss with and without its placeholder
+  (:func:`.verify.measure_reference`).
 * Under the zero-advantage filter (``dropped_rows_metrics=False``) the metrics are made honest
   by :mod:`.metrics`; on v0.5.0 the filter's counters ride on the first micro-batch's
   metrics (its worker has no other way back, see :mod:`.filter_v050`).
@@ -24,6 +28,7 @@ from grpo_patches import api
 
 from .calls import arguments
 from .metrics import adjust_kept_rows
+from .verify import measure_prev, measure_reference
 from .state import (
     COUNTERS,
     CURRENT_V050,
@@ -120,6 +125,8 @@ def call_v050(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
 def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """v0.6.0 ``ClippedPGLossFn.__call__(next_token_logprobs, data, global_valid_seqs, global_valid_toks)``."""
     call = arguments(wrapped, args, kwargs)
+    measure_prev(call)
+    measure_reference(wrapped, call)
     substituted = False
     if getattr(instance, PREV_IS_CURRENT, False):
         call["data"], substituted = _with_prev(call["data"], call["next_token_logprobs"]), True
@@ -128,6 +135,11 @@ def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
 
 def call_v070(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """v0.7.0+ ``ClippedPGLossFn.__call__``: its own on-policy path needs nothing; filter metrics only."""
+    train = active_train()
+    if train is not None and (train.prev_diff, train.reference_diff) != (None, None):  # verify mode (:mod:`.verify`)
+        call = arguments(wrapped, args, kwargs)
+        measure_prev(call)
+        measure_reference(wrapped, call)
     if _current_plan() is None:
         return wrapped(*args, **kwargs)
     return _finish(wrapped, instance, arguments(wrapped, args, kwargs), False, share=True)

@@ -90,6 +90,9 @@ def decide(loop: LoopState, rows: int | None = None) -> str | None:
     :param rows: the batch's rows when known (v0.5 / v0.6 see it), else the configured
         rollout batch ``num_prompts_per_step * num_generations_per_prompt``.
     """
+    options = api.active_options(FRAMEWORK)
+    if options is None or not options.logprob_skip:  # verify mode's "disable" switched it off
+        return "runs: logprob_skip is off (switched off by verification: see the logprob_skip note)"
     inexact = _inexact(loop)
     if inexact:
         return f"runs: {'; '.join(inexact)}"

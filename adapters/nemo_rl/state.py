@@ -27,6 +27,16 @@ FRAMEWORK = "nemo_rl"
 #: the worker's loss then uses the detached current log-probs as ``prev_logprobs``.
 PREV_IS_CURRENT = "_grpo_patches_prev_is_current"
 
+#: Set on the loss object for one ``Policy.train`` call on a verify step whose prev-logprob pass was
+#: skipped: ``data["prev_logprobs"]`` then holds the real pass (run for verification only), which
+#: the patched loss does not read and the worker compares with the log-probs it used (:mod:`.verify`).
+VERIFY_PREV = "_grpo_patches_verify_prev"
+
+#: Set (``True``) on the loss object for one ``Policy.train`` call on a verify step whose reference
+#: pass grpo_patches skipped (v0.6.0: no reference model at KL 0): the worker computes the loss
+#: with and without the zero placeholder (:mod:`.verify`).
+VERIFY_REFERENCE = "_grpo_patches_verify_reference"
+
 #: Prefix of what the workers add to the metrics NeMo-RL logs.
 METRIC_PREFIX = "grpo_patches/"
 #: Set by a v0.5 / v0.6 worker's loss when it used the current log-probs as prev (:mod:`.loss_call`).
@@ -71,6 +81,7 @@ class LoopState:
     :ivar bypass: call the original ``get_logprobs`` (a late pass).
     :ivar unlogged: metric keys put back only because ``grpo_train`` reads them (a kept-rows
         value under an all-rows name): used by the loop, never logged.
+    :ivar steps: the policy's training calls so far in this loop (verify mode's step, 0-based).
     """
 
     policy: Any
@@ -81,6 +92,7 @@ class LoopState:
     placeholders: bool = False
     bypass: bool = False
     unlogged: set[str] = field(default_factory=set)
+    steps: int = 0
 
     @property
     def prev_is_zero(self) -> bool:
@@ -135,6 +147,16 @@ class TrainCall:
     :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
     :ivar current: the filter's plan of the global batch being trained.
     :ivar rows_dropped, tokens_dropped, microbatches_dropped: totals over the call.
+    :ivar unpatched: verify mode runs NeMo-RL's unpatched computation (:func:`active_train` is
+        ``None`` meanwhile: every worker wrapper passes through).
+    :ivar remake: verify mode: NeMo-RL's ``get_microbatch_iterator`` of the global batch being
+        trained, called again (:mod:`.verify`).
+    :ivar prev_diff: verify mode: the largest ``|current - prev|`` the loss calls saw (``None``:
+        not measured on this global batch).
+    :ivar reference_diff: verify mode: the largest difference of the loss with and without the
+        reference pass's placeholder (``None``: not measured).
+    :ivar figures: verify mode's figures of the call (the largest of each).
+    :ivar switched_off: verify mode switched these options off during the call (for the driver).
     """
 
     worker: Any
@@ -147,6 +169,23 @@ class TrainCall:
     rows_dropped: int = 0
     tokens_dropped: int = 0
     microbatches_dropped: int = 0
+    unpatched: bool = False
+    remake: Any = None
+    prev_diff: float | None = None
+    reference_diff: float | None = None
+    figures: dict[str, float] = field(default_factory=dict)
+    switched_off: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerState:
+    """Per DTensor policy worker: its optimizer steps so far (verify mode's step, 0-based)."""
+
+    optimizer_steps: int = 0
+
+
+def worker_state(worker: Any) -> WorkerState:
+    return instance_state.state_of(worker, FRAMEWORK, WorkerState)
 
 
 #: The last train call begun on this thread (its end unsets it; :func:`active_train` checks it still runs).
@@ -157,9 +196,10 @@ def active_train() -> TrainCall | None:
     """The worker ``train()`` call running on this thread's stack, if any (v0.6.0+).
 
     A call that raised leaves :data:`ACTIVE_TRAIN` set; it counts only while its own ``train``
-    frame is on the stack, so ``get_logprobs`` and the like never see it."""
+    frame is on the stack, so ``get_logprobs`` and the like never see it. ``None`` too while
+    verify mode runs NeMo-RL's unpatched computation (:attr:`TrainCall.unpatched`)."""
     train = ACTIVE_TRAIN.get()
-    if train is None:
+    if train is None or train.unpatched:
         return None
     frame = sys._getframe(1)
     while frame is not None:

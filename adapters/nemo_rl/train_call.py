@@ -13,6 +13,8 @@
 * NeMo-RL's logged metrics get ``grpo_patches/old_logprob_passes_skipped`` (1 when this step's
   pass was skipped, 0 when it ran; per step). A skip is exact only through this call: another
   ``Policy`` training on the skipped step's batch (whose ``prev_logprobs`` are zeros) is an error.
+* Verify mode (:mod:`.verify_driver`): on a verify step whose pass was skipped the pass runs
+  for the workers to compare; their figures and switch-offs are read back from the metrics.
 * The workers' own counters (``grpo_patches/*`` in ``all_mb_metrics``) stay in the metrics
   NeMo-RL logs; their running totals go to a note of this process's ``status()`` (the
   savings totals of each process count what that process saved). Metrics a v0.5 / v0.6 worker
@@ -27,7 +29,7 @@ from typing import Any, Callable
 from grpo_patches import api, savings
 from grpo_patches.errors import GrpoPatchesError
 
-from . import version
+from . import verify_driver, version
 from .calls import arguments
 from .old_logprobs import train_batch_size
 from .state import (
@@ -119,6 +121,15 @@ def _collect(policy: Any, result: Any, skipped: bool, loop: LoopState | None) ->
     _reduce_kept_extrema(metrics)
 
 
+def _both(first: Any, second: Any) -> Any:
+    def undo() -> None:
+        if first is not None:
+            first()
+        second()
+
+    return undo
+
+
 def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Policy.train(data, loss_fn, eval_mode=False, gbs=None, ...)``."""
     loop = ACTIVE_LOOP.get()
@@ -130,8 +141,13 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
             "grpo_patches skipped this step's prev-logprob pass for the Policy passed to grpo_train, but another "
             f"Policy ({type(instance).__name__}) trains on the batch: its prev_logprobs are a zero placeholder that its "
             "loss would read. Pass logprob_skip=False to grpo_patches.enable(...) (GRPO_PATCHES_OPTIONS) for this loop")
-    skipped = loop is not None and loop.prev == "skipped" and instance is loop.policy and not call["eval_mode"]
+    driven = loop is not None and instance is loop.policy and not call["eval_mode"]
+    step = loop.steps if driven else -1
+    if driven:
+        loop.steps += 1
+    skipped = driven and loop.prev == "skipped"
     saved = None
+    undo_verify = None
     loss_fn = call["loss_fn"]
     if skipped:
         data = call["data"]
@@ -142,11 +158,28 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         else:
             saved = _flag(loss_fn)
             savings.report(FRAMEWORK, old_logprob_passes_skipped=1)
+            if verify_driver.due(step):
+                force = saved["force_on_policy_ratio"]
+                undo_verify = verify_driver.run_skipped_pass(loop, instance, data, loss_fn,
+                                                             None if force is _ABSENT else force)
+    if driven and verify_driver.due(step):
+        undo_reference = verify_driver.flag_reference(instance, loss_fn)
+        if undo_reference is not None:
+            undo_verify = _both(undo_verify, undo_reference)
     try:
         result = wrapped(*args, **kwargs)
+    except Exception as exc:
+        error = verify_driver.raised(exc)
+        if error is None or error is exc:
+            raise
+        raise error from None
     finally:
         if saved is not None:
             _restore(loss_fn, saved)
+        if undo_verify is not None:
+            undo_verify()
+    if driven and isinstance(result, dict) and isinstance(result.get("all_mb_metrics"), dict):
+        verify_driver.collect(result["all_mb_metrics"], step)
     _collect(instance, result, skipped, loop)
     if loop is not None and instance is loop.policy and isinstance(result, dict) and "all_mb_metrics" in result:
         result["all_mb_metrics"][METRIC_PREFIX + "old_logprob_passes_skipped"] = [1.0 if skipped else 0.0]

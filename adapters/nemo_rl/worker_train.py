@@ -14,8 +14,8 @@ each call:
   the call, from the loss object it really received (NeMo-RL pickles it from the driver each
   time): ``"auto"`` switches either off when it cannot reproduce NeMo-RL exactly (the reason
   goes to this worker's ``status()``), ``True`` raises before anything trains;
-* ``aggregate_training_statistics`` (the call's last step): the filter's counters go into the
-  metrics ``train`` returns, and the call ends.
+* ``aggregate_training_statistics`` (the call's last step): the filter's counters and verify
+  mode's figures (:mod:`.verify`) go into the metrics ``train`` returns, and the call ends.
 
 The other worker wrappers find the call through :func:`~.state.active_train` (only while that
 ``train`` frame runs: ``get_logprobs`` and the like always see every row). Evaluation calls
@@ -30,7 +30,7 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import filter as zero_advantage_filter
-from . import tiled
+from . import tiled, verify
 from .metrics import report_filter_counters
 from .calls import arguments, worker_train_frame
 from .state import ACTIVE_TRAIN, FRAMEWORK, TrainCall, active_train
@@ -67,7 +67,8 @@ def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, k
     result = wrapped(*args, **kwargs)
     train = active_train()
     if train is not None:
-        if train.filter_on:
+        if train.filter_on or train.rows_dropped:
             report_filter_counters(train, result)
+        verify.report(train, result)
         ACTIVE_TRAIN.set(None)
     return result

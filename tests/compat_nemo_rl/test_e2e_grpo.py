@@ -11,7 +11,9 @@ start-up hook (``grpo_patches/testing/nemo_rl_startup/``) stands in for CUDA and
 Cases (3 steps, 4 prompts x 4 samples, half the rows at advantage exactly 0, KL penalty 0,
 fp32, SGD): one optimizer step per rollout batch with the default options (prev-logprob pass
 skipped, zero-advantage filter ``"auto"``); two optimizer steps per batch (the pass runs); one
-step with ``tiled_loss=True`` and ``zero_advantage_filter=True``. Each against the unpatched run
+step with ``tiled_loss=True`` and ``zero_advantage_filter=True``. The first and the last run
+with ``verify_every=1`` too: verify mode's figures on every step, within tolerance, and the run
+still equal to the unpatched one (a verify step leaves no trace besides its figures). Each against the unpatched run
 of the same config: NeMo-RL's logged loss and grad norm per step and the final weights within
 ``TOL`` (relative), the savings in NeMo-RL's own metrics, ``status()`` from the worker process.
 """
@@ -39,6 +41,7 @@ for _module in ("ray", "tensorboard", "math_verify"):
 TOL = 1e-5
 DEFAULTS = ""  # grpo-patches run --options "": every option at its default
 FORCED = "tiled_loss=1,zero_advantage_filter=1"
+VERIFY = "verify_every=1"  # verify mode on every step of a patched run: it must leave no trace besides its figures
 ROWS, ZERO_ROWS, STEPS = e2e.CELL.rows, e2e.CELL.zero_rows, e2e.CELL.steps  # zero rows: uniform groups (advantage 0)
 
 
@@ -106,8 +109,9 @@ def _unpatched_saw_nothing(base: e2e.Run) -> None:
 def test_one_optimizer_step_per_rollout(run, record_property):
     """Default options: the prev-logprob pass is skipped (provably on-policy) and the zero-advantage
     rows never reach the worker's forward or backward."""
-    base, patched = run("unpatched-1step", ROWS, None), run("patched-1step", ROWS, DEFAULTS)
+    base, patched = run("unpatched-1step", ROWS, None), run("patched-1step", ROWS, VERIFY)
     _compare(base, patched, "one_step", record_property)
+    _verified(patched, ("grad_rel_diff", "old_logprob_max_abs_diff"), record_property, "one_step")
     _unpatched_saw_nothing(base)
     assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * STEPS
     assert patched.step_values("train/grpo_patches/old_logprob_passes_skipped") == [1.0] * STEPS
@@ -142,13 +146,26 @@ def test_two_optimizer_steps_per_rollout(run, record_property):
 def test_tiled_loss_and_filter_forced_on(run, record_property):
     """``tiled_loss=True`` and ``zero_advantage_filter=True``: the loss from the last hidden state
     and the lm-head weight, tile by tile, on the kept rows only."""
-    base, patched = run("unpatched-1step", ROWS, None), run("patched-tiled", ROWS, FORCED)
+    base, patched = run("unpatched-1step", ROWS, None), run("patched-tiled", ROWS, f"{FORCED},{VERIFY}")
     _compare(base, patched, "tiled_filter", record_property)
+    _verified(patched, ("grad_rel_diff", "old_logprob_max_abs_diff"), record_property, "tiled_filter")
     assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * STEPS
     worker = _worker_report(patched)
     assert worker["options"]["tiled_loss"] is True and worker["options"]["zero_advantage_filter"] is True
     assert worker["notes"]["tiled_loss"].startswith("on") and worker["notes"]["zero_advantage_filter"] == "on"
     assert all(math.isfinite(v) for v in patched.step_values("train/loss"))
+
+
+def _verified(run_: e2e.Run, quantities: tuple[str, ...], record_property, label: str) -> None:
+    """Verify mode ran on every step: its figures in NeMo-RL's logged metrics and both processes'
+    ``status()``, within tolerance (the run itself is compared with the unpatched one by the caller)."""
+    for quantity in quantities:
+        values = run_.step_values(f"train/grpo_patches/verify/{quantity}")
+        record_property(f"exact_e2e_{label}_verify_{quantity}", max(values, default=math.inf))
+        assert len(values) == STEPS and all(0.0 <= v <= 1e-5 for v in values), (quantity, values)
+    for report in (_driver_report(run_), _worker_report(run_)):
+        assert report["verify"]["steps_verified"] == STEPS and report["verify"]["failures"] == [], report["verify"]
+        assert set(quantities) <= set(report["verify"]["worst"])
 
 
 def _driver_report(run_: e2e.Run) -> dict:

@@ -52,7 +52,7 @@ def test_the_version_is_read_from_this_source():
 
 
 def test_every_patch_record_resolves_on_this_source():
-    grpo_patches.enable("nemo_rl", zero_advantage_filter=True, tiled_loss=NEW)
+    grpo_patches.enable("nemo_rl", zero_advantage_filter=True, tiled_loss=NEW, verify_every=1 if NEW else None)
     adapter = registry.get("nemo_rl")
     modules = dict.fromkeys(t.module for t in adapter.targets(adapter.installed_version()))
     for module in modules:

@@ -1,0 +1,299 @@
+"""Verify mode in NeMo-RL's DTensor policy worker v2 (v0.6.0+): each verified optimizer step
+checked against NeMo-RL's unpatched computation (``verify_every``, :mod:`grpo_patches.verify`).
+
+The unit is the optimizer step (one global batch): the zero-advantage filter lays the kept rows
+out in micro-batches of its own, so a patched micro-batch has no unpatched twin. The worker
+module's ``automodel_forward_backward`` (one call per global batch: every micro-batch's forward
+and NeMo-RL's own backward) is wrapped; on the global batches :func:`grpo_patches.verify.due`
+picks (the worker's optimizer steps, 0-based, counted since it started) and on every call the
+driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`GlobalBatchCheck`:
+
+1. runs the patched computation as usual (the filter's micro-batches, the tiled loss), and
+   takes the gradient NeMo-RL's backward left in ``.grad`` (with FSDP2 that is the only place a
+   sharded parameter's gradient exists; ``.grad`` is then put back as it was);
+2. runs NeMo-RL's unpatched computation from the same random state: its own micro-batches of
+   the global batch (``get_microbatch_iterator`` called again, :func:`microbatch_iterator_wrapper`),
+   every worker wrapper passing through (:attr:`~.state.TrainCall.unpatched`) and, on a call
+   whose prev-logprob pass the driver skipped and ran for verification, the loss off its
+   on-policy path, reading that pass;
+3. compares, in this order, on every rank alike (each check one all-reduce):
+   a skipped prev-logprob pass: the log-probs the patched loss used (the detached current ones)
+   against the pass, over the loss tokens (:func:`measure_prev`), ``grpo_patches/verify/old_logprob_max_abs_diff``;
+   a skipped reference pass (v0.6.0 at KL 0): the loss with its zero placeholder against the
+   loss with other values there (:func:`measure_reference`), ``grpo_patches/verify/reference_loss_max_abs_diff``
+   (a difference cannot be undone: no reference model was built; ``"disable"`` raises too);
+   filter / tiled loss: the step's gradient, relative L2, ``grpo_patches/verify/grad_rel_diff``
+   (:func:`grpo_patches.verify.judge_gradients`; not compared when the first check failed: the
+   unpatched result is used then anyway, and the difference would be blamed on them);
+4. leaves ``.grad`` holding exactly the chosen gradient, the random state and NeMo-RL's
+   per-micro-batch results as the chosen computation left them (the unpatched ones fitted to
+   the number of micro-batches ``train`` counts, :func:`fit_results`), the filter's counters as the
+   chosen one saved, and the figures in :attr:`~.state.TrainCall.figures` (put into the metrics
+   ``train`` returns by :func:`report`, the largest over the call).
+
+On a mismatch ``verify_action="raise"`` raises :class:`grpo_patches.ExactnessError` in the
+worker, before the optimizer step (the driver re-raises it as such, :mod:`.verify_driver`);
+``"disable"`` switches the optimization off in this worker (its ``status()``), the step uses the
+unpatched result, and the metrics carry ``grpo_patches/verify/switched_off/<option>`` so the
+driver switches it off too (the prev-logprob skip is the driver's: from the next step on the
+pass runs).
+
+v0.5.0's worker computes its loss inline (no per-global-batch call to wrap): no verify record.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from grpo_patches import verify, verify_log
+
+from .calls import arguments
+from grpo_patches.errors import ExactnessError
+
+from .state import FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
+
+SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
+#: ``<prefix><option>`` = 1 in the metrics of a call in which verification switched ``option`` off.
+SWITCHED_OFF = verify.METRIC_PREFIX + "switched_off/"
+
+
+def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``get_microbatch_iterator(...)`` of the worker module (outermost record): in a train call,
+    keep how to call it again, for the unpatched computation of a verify step."""
+    train = active_train()
+    if train is not None:
+        train.remake = lambda: wrapped(*args, **kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def forward_backward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``automodel_forward_backward(model, data_iterator, post_processing_fn, forward_only, ...)``
+    of the worker module: one global batch of a train call."""
+    train = active_train()
+    if train is None:
+        return wrapped(*args, **kwargs)
+    call = arguments(wrapped, args, kwargs)
+    if call.get("forward_only") or getattr(call["post_processing_fn"], "loss_fn", None) is not train.loss_fn:
+        return wrapped(*args, **kwargs)
+    own = worker_state(train.worker)
+    step = own.optimizer_steps
+    own.optimizer_steps += 1
+    prev = isinstance(getattr(train.loss_fn, VERIFY_PREV, None), dict)
+    reference = bool(getattr(train.loss_fn, VERIFY_REFERENCE, False))
+    names = [name for name, on in ((FILTER, train.filter_on), (TILED, train.tiled_on)) if on]
+    if not (prev or reference or (names and verify.due(FRAMEWORK, step))) or train.remake is None:
+        return wrapped(*args, **kwargs)
+    return GlobalBatchCheck(wrapped, call, train, step, names, prev, reference).run()
+
+
+def measure_prev(call: dict[str, Any]) -> None:
+    """In a loss call of a verified global batch whose prev-logprob pass was skipped: the largest
+    ``|current - prev|`` over its loss tokens (``prev_logprobs`` holds the real pass then)."""
+    train = active_train()
+    if train is None or train.prev_diff is None:
+        return
+    data, current = call["data"], call["next_token_logprobs"]
+    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    prev = data["prev_logprobs"][:, 1:].to(current.device)
+    width = min(int(current.shape[1]), int(prev.shape[1]))
+    measured = verify.max_abs_diff(current.detach()[:, :width], prev[:, :width], mask[:, :width].to(current.device))
+    train.prev_diff = max(train.prev_diff, measured)
+
+
+def measure_reference(loss: Callable[..., Any], call: dict[str, Any]) -> None:
+    """In a loss call of a verified global batch whose reference pass was skipped (its
+    log-probs are a zero placeholder): the loss with the placeholder against the loss with
+    other values in its place (the detached current log-probs), without autograd. A loss that
+    does not read them (KL penalty 0) gives exactly the same value."""
+    train = active_train()
+    if train is None or train.reference_diff is None or "reference_policy_logprobs" not in call["data"]:
+        return
+    import torch
+
+    data, current = call["data"], call["next_token_logprobs"].detach()
+    other = type(data)(data)
+    values = torch.zeros(data["reference_policy_logprobs"].shape, dtype=current.dtype, device=current.device)
+    values[:, 1:] = current[:, : values.shape[1] - 1]
+    other["reference_policy_logprobs"] = values.to(data["reference_policy_logprobs"].dtype)
+    with torch.no_grad():
+        without = loss(**{**call, "next_token_logprobs": current})[0]
+        with_values = loss(**{**call, "next_token_logprobs": current, "data": other})[0]
+    train.reference_diff = max(train.reference_diff, verify.max_abs_diff(with_values, without))
+
+
+@contextmanager
+def unpatched(train: TrainCall) -> Iterator[None]:
+    """NeMo-RL's own computation: every worker wrapper passes through and the loss object is as
+    the user configured it (off the on-policy path the driver put it on for a skipped pass)."""
+    loss_fn = train.loss_fn
+    original = getattr(loss_fn, VERIFY_PREV, None)
+    saved = {name: loss_fn.__dict__.get(name, _ABSENT) for name in ("force_on_policy_ratio", PREV_IS_CURRENT)}
+    if isinstance(original, dict):
+        _set(loss_fn, "force_on_policy_ratio", original.get("force_on_policy_ratio", _ABSENT))
+        _set(loss_fn, PREV_IS_CURRENT, _ABSENT)
+    train.unpatched = True
+    try:
+        yield
+    finally:
+        train.unpatched = False
+        for name, value in saved.items():
+            _set(loss_fn, name, value)
+
+
+_ABSENT = object()
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    if value is _ABSENT or value is None and name == "force_on_policy_ratio":
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, value)
+
+
+def _take_grads(params: list) -> list:
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+class GlobalBatchCheck:
+    """One verified global batch (module docstring)."""
+
+    def __init__(self, wrapped: Callable[..., Any], call: dict[str, Any], train: TrainCall, step: int,
+                 names: list[str], prev: bool, reference: bool = False) -> None:
+        self.wrapped, self.call, self.train, self.step, self.names, self.prev = wrapped, call, train, step, names, prev
+        self.reference = reference
+        self.params = [p for p in call["model"].parameters() if p.requires_grad]
+        mesh = getattr(train.worker, "dp_mesh", None)
+        self.group = mesh.get_group() if mesh is not None else None
+        self.dtype = getattr(train.worker, "dtype", None)
+
+    def patched(self) -> tuple[Any, list, Any]:
+        self.train.prev_diff = 0.0 if self.prev else None
+        self.train.reference_diff = 0.0 if self.reference else None
+        try:
+            results = self.wrapped(**self.call)
+        finally:
+            self.prev_measured, self.train.prev_diff = self.train.prev_diff, None
+            self.reference_measured, self.train.reference_diff = self.train.reference_diff, None
+        return results, _take_grads(self.params), verify.rng_state()
+
+    def unpatched(self, start: Any) -> tuple[Any, list, Any]:
+        verify.set_rng_state(start)
+        with unpatched(self.train):
+            iterator, length = self.train.remake()
+            call = {**self.call, "data_iterator": iterator}
+            if "num_valid_microbatches" in call:
+                call["num_valid_microbatches"] = length
+            self.plain_valid = length
+            results = self.wrapped(**call)
+        return results, _take_grads(self.params), verify.rng_state()
+
+    def run(self) -> Any:
+        before = _take_grads(self.params)
+        start = verify.rng_state()
+        patched = self.patched()
+        plain = self.unpatched(start)
+        failed = self.compare(patched[1], plain[1])
+        results, grads, end = plain if failed else patched
+        if failed:
+            self.unsave()
+            results = fit_results(results, self.plain_valid, self.call.get("num_valid_microbatches"))
+        for p, g0, g in zip(self.params, before, grads):
+            p.grad = g if g0 is None else (g0 if g is None else g0 + g)
+        verify.set_rng_state(end)
+        return results
+
+    def compare(self, patched_grads: list, plain_grads: list) -> list[str]:
+        """The checks, in the same order on every rank; the options a ``"disable"`` verdict switched off."""
+        failed: list[str] = []
+        if self.prev:
+            verdict = verify.check(FRAMEWORK, [SKIP], self.step, "old_logprob_max_abs_diff", self.prev_measured,
+                                   verify.tolerance(FRAMEWORK, self.dtype), group=self.group,
+                                   detail="the detached current log-probs the loss used against the skipped "
+                                          "prev-logprob pass")
+            self.record(verdict, [SKIP], failed)
+        if self.reference:  # judged here: with no reference model built there is no unpatched result to use
+            quantity, limit = "reference_loss_max_abs_diff", verify.tolerance(FRAMEWORK, self.dtype)
+            measured = verify.agree({quantity: self.reference_measured}, self.group)[quantity]
+            failure = None if measured <= limit else f"step {self.step}: {SKIP}: {quantity} = {measured:.3e} > {limit:.3e}"
+            verify_log.record(FRAMEWORK, self.step, quantity, measured, failure)
+            if failure is not None:  # "raise" and "disable" alike
+                raise ExactnessError(FRAMEWORK, (SKIP,), self.step, quantity, measured, limit,
+                                     "the loss reads the skipped reference pass's zero placeholder; it cannot be "
+                                     "switched off mid-run (no reference model was built): restart with "
+                                     "logprob_skip=False")
+            self.record(verify.Verdict(True, measured, limit, {verify.METRIC_PREFIX + quantity: measured}), [SKIP],
+                        failed)
+        if self.names and not failed:
+            verdict = verify.judge_gradients(FRAMEWORK, self.names, self.step, patched_grads, plain_grads,
+                                             dtype=self.dtype, group=self.group,
+                                             detail="the optimizer step's gradient against NeMo-RL's unpatched one")
+            self.record(verdict, self.names, failed)
+        return failed
+
+    def record(self, verdict: verify.Verdict, names: list[str], failed: list[str]) -> None:
+        figures = self.train.figures
+        for key, value in verdict.metrics.items():
+            figures[key] = max(figures.get(key, value), value)
+        if verdict.ok:
+            return
+        failed.extend(names)
+        for name in names:
+            self.train.switched_off[name] = verdict.reason
+        self.train.filter_on = self.train.filter_on and FILTER not in names
+        self.train.tiled_on = self.train.tiled_on and TILED not in names
+
+    def unsave(self) -> None:
+        """The unpatched result is used: the filter saved nothing on this global batch."""
+        current = self.train.current
+        if current is not None:
+            for name in ("rows_dropped", "tokens_dropped", "microbatches_dropped"):
+                setattr(self.train, name, getattr(self.train, name) - getattr(current, name))
+            self.train.current = None
+
+
+def fit_results(results: list, valid: int, slots: int | None) -> list:
+    """NeMo-RL's unpatched per-micro-batch ``(loss, metrics)`` in the ``slots`` valid places its
+    ``train`` expects: it counts the valid micro-batches from the call it made, the patched one.
+    Fewer: padded with results it skips (no valid sample); more: the last ones merged into one
+    (losses and metrics summed, ``*_min`` / ``*_max`` combined), as ``train`` and ``grpo_train``
+    aggregate them anyway."""
+    if slots is None:
+        return results
+    kept = list(results[:valid])
+    if len(kept) > slots:
+        tail = kept[slots - 1:]
+        kept = kept[:slots - 1] + [(sum(loss for loss, _ in tail[1:]) + tail[0][0], _merged([m for _, m in tail]))]
+    while len(kept) < slots:
+        kept.append((kept[0][0] * 0 if kept else 0.0, {"num_valid_samples": 0}))
+    return kept
+
+
+def _merged(metrics: list[dict]) -> dict:
+    out = dict(metrics[0])
+    for more in metrics[1:]:
+        for key, value in more.items():
+            if key not in out:
+                out[key] = value
+            elif "_min" in key:
+                out[key] = min(out[key], value)
+            elif "_max" in key:
+                out[key] = max(out[key], value)
+            else:
+                out[key] = out[key] + value
+    return out
+
+
+def report(train: TrainCall, result: Any) -> None:
+    """Verify mode's figures of a train call into the metrics it returns (one-element lists: the
+    driver keeps the largest over the workers), and the options it switched off."""
+    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
+    if metrics is None:
+        return
+    for key, value in train.figures.items():
+        metrics[key] = [float(value)]
+    for name in train.switched_off:  # this worker's status() says so already (grpo_patches.verify.check)
+        metrics[SWITCHED_OFF + name] = [1.0]
