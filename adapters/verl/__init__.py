@@ -21,9 +21,10 @@ the line whose internals it wraps. Records on one attribute stack in table order
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
   :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
   (:mod:`.tiled_megatron`).
-- verify mode (``verify_every``; :mod:`.verify`, :mod:`.verify_engine`): the FSDP engine's update
-  checked against verl's own on chosen steps (every record passes through for it: :mod:`.bypass`);
-  the Megatron engine and the legacy actor are not covered (an error, not a silent no-op).
+- verify mode (``verify_every``; :mod:`.verify`, :mod:`.verify_engine`, :mod:`.verify_legacy`): the
+  FSDP engine's and the legacy actor's updates checked against verl's own on chosen steps (every
+  other record passes through for it: :mod:`.bypass`); the Megatron engine is not covered (an
+  error at its first update, not a silent no-op).
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
 reference skip and the old-logprob checks see verl's unfiltered batch.
@@ -144,6 +145,12 @@ PATCHES = bypassable((
                 versions=ENGINE, option="verify_every"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
                 f"{_HERE}.verify_engine:megatron_forward_backward_batch", versions=ENGINE, option="verify_every"),
+    # verify mode (legacy actor): outermost on update_policy, it runs verl's update and the patched one
+    # (:mod:`.verify_legacy`); _optimizer_step keeps / compares each step's gradient
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.verify_legacy:update_policy",
+                versions=LEGACY, option="verify_every"),
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._optimizer_step", f"{_HERE}.verify_legacy:optimizer_step",
+                versions=LEGACY, option="verify_every"),
 ))
 
 #: options with no effect of their own in verl, and what they do here instead (status() notes)

@@ -8,9 +8,10 @@ with every record passing through (:mod:`.bypass`); each lands in ``.grad`` thro
 backward (loss scaling, FSDP's reduce-scatter), is taken out, and the chosen one is put back,
 so ``.grad`` ends as the chosen computation alone leaves it. A skipped old-logprob pass really
 runs (forward only, eval mode, before the update) and is compared with the log-probs the loss
-used; the skipped reference pass is checked as the loss with and without its KL term. The
-line's step: :mod:`.verify_engine` (0.8+). The legacy ``DataParallelPPOActor`` (0.6.1-0.7.x)
-has no verify records: ``verify_every`` there is one clear error at ``enable``.
+used; the skipped reference pass is checked as the loss with and without its KL term. Each
+line's step: :mod:`.verify_engine` (0.8+: per ``forward_backward_batch``, one optimizer step),
+:mod:`.verify_legacy` (``DataParallelPPOActor``, 0.6.1-0.7.x: the whole ``update_policy`` run
+both ways, compared before each of its optimizer steps).
 
 **How a switch-off reaches the trainer.** ``verify_action="disable"`` switches options off in
 the worker process that found the difference (every data-parallel rank agrees: one

@@ -174,6 +174,7 @@ class Run:
     grad_rows: int = 0
     nograd_rows: int = 0
     status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] right after the update
+    weights: dict = field(default_factory=dict)  # the model's weights after the update (legacy_run)
 
 
 def count_forwards(model: torch.nn.Module, run: Run) -> None:
@@ -254,6 +255,7 @@ def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, wo
     try:
         run.metrics = actor.update_policy(data)
         run.status = verl_status()
+        run.weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     finally:
         patches(None)
     return run
