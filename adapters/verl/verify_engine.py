@@ -8,7 +8,7 @@ the steps :func:`grpo_patches.verify.due` picks runs :class:`EngineStep`:
    really runs on the mini-batch, forward only, the model in eval mode, before the update;
 2. the patched computation as without verification; the loss's old log-probs (the detached
    current ones) are compared with the pass where the loss reads them
-   (:func:`expect` / :func:`used`): ``grpo_patches/verify/old_logprob_max_abs_diff``;
+   (:mod:`.verify_old_logprobs`): ``grpo_patches/verify/old_logprob_max_abs_diff``;
 3. verl's own computation, from the same random state, with every record passing through
    (:mod:`.bypass`) on the inputs unpatched verl has: the pass's old log-probs, the entropies
    only if verl asked for them, and, when the reference pass was skipped (KL coefficient 0),
@@ -32,10 +32,8 @@ The Megatron engine is not verified: ``verify_every`` with it raises at its firs
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from grpo_patches import api
 from grpo_patches import verify as core
@@ -44,13 +42,10 @@ from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, to
 
 from . import bypass, placeholder
 from . import verify as shared
+from .verify_old_logprobs import PASS_FIELD, collecting
 from .engine_calls import actor_config_of, forward_backward_arguments
 
 FRAMEWORK = shared.FRAMEWORK
-#: The field that carries the pass's old log-probs alongside the patched update's (never read by verl).
-PASS_FIELD = "grpo_patches_verify_old_log_probs"
-_EXPECTED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_verify_expected", default=None)
-_DIFFS: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_verify_diffs", default=None)
 
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -78,36 +73,6 @@ def megatron_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, 
     raise IncompatibleOptionsError(f"grpo_patches: {why}")
 
 
-def expect(micro: Any) -> contextvars.Token | None:
-    """In the patched run's loss (:mod:`.old_logprobs_engine`): the pass's old log-probs of this micro-batch."""
-    if _DIFFS.get() is None or PASS_FIELD not in micro.keys():
-        return None
-    return _EXPECTED.set(micro.select(PASS_FIELD).to_padded_tensor()[PASS_FIELD])
-
-
-def forget(token: contextvars.Token | None) -> None:
-    if token is not None:
-        _EXPECTED.reset(token)
-
-
-def used(old_log_prob: Any, response_mask: Any) -> None:
-    """In the patched run's policy loss: the old log-probs it really used, against the pass."""
-    diffs, expected = _DIFFS.get(), _EXPECTED.get()
-    if diffs is None or expected is None:
-        return
-    diffs.append(core.max_abs_diff(old_log_prob.detach(), expected.to(old_log_prob.device), response_mask))
-
-
-@contextlib.contextmanager
-def _collecting() -> Iterator[list]:
-    diffs: list = []
-    token = _DIFFS.set(diffs)
-    try:
-        yield diffs
-    finally:
-        _DIFFS.reset(token)
-
-
 def compute_dtype(engine: Any) -> Any:
     """The dtype the engine computes in (FSDP's ``mixed_precision.param_dtype``; fp32 when unknown)."""
     import torch
@@ -129,12 +94,12 @@ class EngineStep:
         self.group = engine.get_data_parallel_group()
         self.dtype = compute_dtype(engine)
         from .old_logprobs_engine import active
-        from .reference import _zero_coefficient
+        from .reference import zero_coefficient
 
         self.on_policy = active()  # the worker substitutes a skipped pass on this update
         self.substituted = self.on_policy is not None and "old_log_probs" in data.keys() \
             and placeholder.present(data["old_log_probs"])
-        self.reference_skipped = _zero_coefficient(config) and "ref_log_prob" not in data.keys()
+        self.reference_skipped = zero_coefficient(config) and "ref_log_prob" not in data.keys()
         self.figures: dict[str, float] = {}
 
     def run(self) -> Any:
@@ -145,7 +110,7 @@ class EngineStep:
         patched_data = self.data.copy()
         if old is not None:
             patched_data[PASS_FIELD] = old
-        with _collecting() as diffs:
+        with collecting() as diffs:
             out_p = self.wrapped(patched_data, self.loss_function, False)
         names = shared.optimizations_on(self.engine)
         if not (names or self.substituted or self.reference_skipped):

@@ -98,9 +98,9 @@ class LegacyStep:
         self.wrapped, self.actor, self.data, self.args, self.kwargs, self.first = wrapped, actor, data, args, kwargs, first
         self.params = list(actor.actor_module.parameters())
         self.group = None if not (dist.is_available() and dist.is_initialized()) else dist.group.WORLD
-        from .reference import _zero_coefficient
+        from .reference import zero_coefficient
 
-        self.reference_skipped = _zero_coefficient(actor.config) and "ref_log_prob" not in data.batch.keys()
+        self.reference_skipped = zero_coefficient(actor.config) and "ref_log_prob" not in data.batch.keys()
         self.figures: list[float] = []
         self.failed: list[str] = []
         self.reference: list = []
