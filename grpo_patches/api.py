@@ -255,10 +255,14 @@ def enabled_via_all(framework: str) -> bool:
 
 
 def strict(framework: str, option: str) -> bool:
-    """Whether ``option`` was asked for explicitly (``True``, not via ``"all"``): an
-    optimization that cannot run exactly must then raise instead of switching itself off."""
+    """Whether ``option`` was asked for explicitly (``True``; ``verify_every``: any step count;
+    not via ``"all"``): an optimization that cannot run exactly must then raise instead of
+    switching itself off, and verify mode must never go unchecked silently."""
     state = _enabled.get(framework)
-    return bool(state and getattr(state.options, option) is True and not state.via_all)
+    if not state or state.via_all:
+        return False
+    value = getattr(state.options, option)
+    return value is True or (option == "verify_every" and value is not None)
 
 
 def note(framework: str, key: str, text: str | None, owner: Any = None) -> None:

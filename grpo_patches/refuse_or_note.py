@@ -30,10 +30,15 @@ def refuse_or_note(framework: str, option: str, reasons: str | Sequence[str], ow
     :param owner: the framework object or class the decision is about
         (see :func:`grpo_patches.api.note`).
     :return: ``False`` (the optimization is off), so a decision can ``return refuse_or_note(...)``.
-    :raises IncompatibleOptionsError: ``option`` is ``True`` (and not enabled through ``"all"``).
+    :raises IncompatibleOptionsError: ``option`` is ``True`` (``verify_every``: set), and not
+        enabled through ``"all"``.
     """
     text = reasons if isinstance(reasons, str) else "; ".join(reasons)
     if api.strict(framework, option):
+        if option == "verify_every":  # a step count, not a switch: verification never goes unchecked silently
+            raise IncompatibleOptionsError(
+                f"{option}={api.active_options(framework).verify_every}: {text}. To train without verification "
+                f"there, pass {option}=None to grpo_patches.enable({framework!r}, ...) (GRPO_PATCHES_OPTIONS)")
         raise IncompatibleOptionsError(
             f"{option}=True: {text}. To train without it, pass {option}='auto' (off, with the reason in "
             f"grpo_patches.status()) or {option}=False to grpo_patches.enable({framework!r}, ...)"

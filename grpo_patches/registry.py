@@ -122,10 +122,13 @@ class Adapter:
                 notes[option] = f"off: {text}"
         if options.verify_every is not None and not any(t.option == "verify_every" for t in self.targets(version)):
             text = f"verify mode is not available for {self.name} {version} yet: no check would run"
+            covered = sorted({t.versions or self.supported for t in self.patches if t.option == "verify_every"})
+            where = f"it covers {self.name} {' and '.join(covered)}" if covered else "TRL has it"
             if strict:
                 raise UnsupportedFrameworkError(
                     f"{self.name} {version}: verify_every={options.verify_every} asks for verify mode, which is not "
-                    f"available for {self.name} yet (TRL has it). Pass verify_every=None (the default) for {self.name}"
+                    f"available for {self.name} {version} yet ({where}). Pass verify_every=None (the default) "
+                    f"for {self.name}"
                 )
             notes["verify_every"] = f"off: {text}"
         chosen = [t for t in self.targets(version)

@@ -12,7 +12,9 @@ cancels to ~1e-8 on some steps) and ``actor/grad_norm`` within 1e-5, the final a
 within 1e-5, the savings in verl's own metrics, and ``grpo_patches.status()`` from the worker
 that trained naming what ran. A Ray cluster of the module's own runs every training.
 
-CI makes the core runs (V1: 1 and 2 mini-batches, legacy: 1 mini-batch; 6 trainings);
+CI makes the core runs (V1: 1 and 2 mini-batches, legacy: 1 mini-batch; 6 trainings); the V1
+1-mini-batch one runs verify mode on every step (``verify_every=1``: every check of the worker
+through the real entry point, with the same comparisons against the unpatched run);
 ``GRPO_E2E_FULL=1`` adds the legacy trainer's 2 mini-batches and the option variants
 (``tiled_loss=True`` on verl's fused-kernel forward, ``zero_advantage_filter=True``).
 """
@@ -108,6 +110,24 @@ def compare(got: e2e.Run, ref: e2e.Run, record_property, label: str, assets=None
         assert moved(ref, assets) > 100 * TOL
 
 
+#: The trainings that run verify mode on every step (one of CI's own: no training of its own).
+VERIFIED = {"v1": {"verify_every": 1}}
+#: Verify mode's figures in verl's logged metrics (the actor's, prefixed by verl) and their bounds.
+VERIFY_FIGURES = {"actor/grpo_patches/verify/grad_rel_diff": TOL,
+                  "actor/grpo_patches/verify/old_logprob_max_abs_diff": TOL,
+                  "actor/grpo_patches/verify/reference_loss_abs_diff": 0.0}
+
+
+def check_verified(r: e2e.Run, record_property, trainer: str) -> None:
+    """Every step verified in the worker: each check's figure in verl's logged metrics, within bounds."""
+    for name, bound in VERIFY_FIGURES.items():
+        values = per_step(r, name)
+        assert max(values) <= bound, (name, values)
+        record_property(f"exact_e2e_{trainer}_verify_{name.rsplit('/', 1)[1]}", max(values))
+    verified = worker_status(r)["verify"]
+    assert verified["steps_verified"] == e2e.STEPS and not verified["failures"], verified
+
+
 def worker_status(r: e2e.Run) -> dict:
     status = r.status
     assert status["patched"] and f"pid {os.getpid()} " not in status["process"]  # the training worker's own
@@ -117,10 +137,13 @@ def worker_status(r: e2e.Run) -> dict:
 @pytest.mark.parametrize("trainer", list(TRAINERS))
 def test_on_policy_steps_skip_the_old_logprob_pass(cluster, assets, tmp_path_factory, record_property, trainer):
     """One mini-batch per step: the old-logprob and reference passes are skipped, the
-    zero-advantage rows dropped, and training is verl's own."""
+    zero-advantage rows dropped, and training is verl's own. The V1 run also verifies every
+    step (``verify_every=1``): the checks pass, log their figures, and change nothing."""
     ref = run(cluster, assets, tmp_path_factory, trainer, 1, None)
-    got = run(cluster, assets, tmp_path_factory, trainer, 1, {})
-    compare(got, ref, record_property, f"{trainer}_1mb", assets)
+    got = run(cluster, assets, tmp_path_factory, trainer, 1, VERIFIED.get(trainer, {}))
+    compare(got, ref, record_property, f"{trainer}_1mb", assets)  # a verify step leaves no trace
+    if trainer in VERIFIED:
+        check_verified(got, record_property, trainer)
     for m in got.metrics:
         assert m["actor/grpo_patches/old_log_probs_substituted"] == 1.0  # the worker replaced the placeholder
         assert m["grpo_patches/old_logprob_passes_skipped"] == 1.0

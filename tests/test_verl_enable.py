@@ -44,7 +44,7 @@ def test_every_record_of_the_installed_line_applies_and_disable_restores():
             for part in path:
                 owner = getattr(owner, part)
             originals[t.name] = (owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-    grpo_patches.enable("verl", zero_advantage_filter=True, tiled_loss=True)  # every option on: every record
+    grpo_patches.enable("verl", zero_advantage_filter=True, tiled_loss=True, verify_every=1)  # every option on: every record
     try:
         status = grpo_patches.status()["verl"]
         assert status["supported"] and status["patched"] and status["installed"] == h.VERL

@@ -118,6 +118,7 @@ PATCHES = (
                 option=VERIFY, pickle_by_reference=True),
     # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:verify_setup_wrapper", versions=V06_UP, option=VERIFY),
 )
 
 #: options with no effect of their own in NeMo-RL, and what they do here instead (status() notes)

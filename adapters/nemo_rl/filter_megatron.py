@@ -30,3 +30,13 @@ def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
             and setting(config, "policy.megatron_cfg.enabled", False):
         refuse_or_note(FRAMEWORK, "zero_advantage_filter", f"{WHY}; use the DTensor worker")
     return wrapped(*args, **kwargs)
+
+
+def verify_setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)`` with ``verify_every``: verify mode does not cover the Megatron
+    worker either, so a Megatron policy gets an error before training (a note under ``enable("all")``)."""
+    config = arguments(wrapped, args, kwargs)["master_config"]
+    if setting(config, "policy.megatron_cfg.enabled", False):
+        refuse_or_note(FRAMEWORK, "verify_every", "verify mode does not cover NeMo-RL's Megatron policy worker yet: "
+                       "no check would run on its updates; use the DTensor worker")
+    return wrapped(*args, **kwargs)

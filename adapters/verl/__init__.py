@@ -23,6 +23,10 @@ the line whose internals it wraps. Records on one attribute stack in table order
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
   :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
   (:mod:`.tiled_megatron`).
+- verify mode (``verify_every``; :mod:`.verify`, :mod:`.verify_engine`, :mod:`.verify_legacy`): the
+  FSDP engine's and the legacy actor's updates checked against verl's own on chosen steps (every
+  other record passes through for it: :mod:`.bypass`); the Megatron engine is not covered (an
+  error at its first update, not a silent no-op).
 
 On one attribute the later record wraps the earlier: the filter is innermost, so the
 reference skip and the old-logprob checks see verl's unfiltered batch.
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 from grpo_patches.patching import PatchTarget
 from grpo_patches.registry import Adapter
+
+from .bypass import bypassable
 
 _HERE = "grpo_patches.adapters.verl"
 LEGACY = ">=0.6.1,<0.8"
@@ -82,8 +88,9 @@ _MEGATRON_LEGACY = (
                 versions=LEGACY, option="tiled_loss"),
 )
 
-#: Every patch record of the verl adapter (module, attribute, wrapper, versions, option).
-PATCHES = (
+#: Every patch record of the verl adapter (module, attribute, wrapper, versions, option); each
+#: wrapper passes through while verify mode runs verl's unpatched computation (:mod:`.bypass`).
+PATCHES = bypassable((
     # the placeholder guard, whatever the options: innermost, it sees what verl's policy loss gets
     PatchTarget(DP_ACTOR, "get_policy_loss_fn", f"{_HERE}.placeholder:guard_policy_loss", versions=LEGACY),
     PatchTarget(LOSSES, "get_policy_loss_fn", f"{_HERE}.placeholder:guard_policy_loss", versions=ENGINE),
@@ -157,7 +164,20 @@ PATCHES = (
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
                 versions=LEGACY, option="tiled_loss"),
     *_MEGATRON_LEGACY,
-)
+    # verify mode (engine line): outermost, it runs the patched update and verl's own (:mod:`.verify_engine`)
+    PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.verify_engine:forward_backward_batch",
+                versions=ENGINE, option="verify_every"),
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
+                f"{_HERE}.verify_engine:megatron_forward_backward_batch", versions=ENGINE, option="verify_every"),
+    PatchTarget(MEGATRON_ACTOR, "MegatronPPOActor.update_policy", f"{_HERE}.verify_engine:megatron_update_policy",
+                versions=LEGACY, option="verify_every"),
+    # verify mode (legacy actor): outermost on update_policy, it runs verl's update and the patched one
+    # (:mod:`.verify_legacy`); _optimizer_step keeps / compares each step's gradient
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.verify_legacy:update_policy",
+                versions=LEGACY, option="verify_every"),
+    PatchTarget(DP_ACTOR, "DataParallelPPOActor._optimizer_step", f"{_HERE}.verify_legacy:optimizer_step",
+                versions=LEGACY, option="verify_every"),
+))
 
 #: options with no effect of their own in verl, and what they do here instead (status() notes)
 NOT_APPLICABLE = {"recompute": "verl computes old log-probs for every batch; logprob_skip skips that pass when "

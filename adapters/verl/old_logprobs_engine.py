@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from . import placeholder
+from . import placeholder, verify_old_logprobs
 from .skip_guarantee import SUBSTITUTED
 
 _UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_on_policy", default=None)
@@ -107,7 +107,11 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
             mask = data.select("response_mask").to_padded_tensor()["response_mask"]
             update.entropy.append((no_padding_2_padding(entropy, data).detach().float(), mask))
             update.rows_seen += int(mask.shape[0])
-        return loss_function(*a, **kw)
+        expected = verify_old_logprobs.expect(data)  # a verify step: the pass's values, for _on_policy_loss
+        try:
+            return loss_function(*a, **kw)
+        finally:
+            verify_old_logprobs.forget(expected)
 
     config = actor_config_of(loss_function)
     if config is not None:
@@ -125,6 +129,7 @@ def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, 
 
 def _on_policy_loss(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     kwargs["old_log_prob"] = kwargs["log_prob"].detach()
+    verify_old_logprobs.used(kwargs["old_log_prob"], kwargs["response_mask"])  # a verify step compares it with the pass
     return fn(*args, **kwargs)
 
 

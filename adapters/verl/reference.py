@@ -89,7 +89,8 @@ def add_ref_policy_worker(wrapped: Callable[..., Any], instance: Any, args: tupl
     return out
 
 
-def _zero_coefficient(config: Any) -> bool:
+def zero_coefficient(config: Any) -> bool:
+    """Whether the actor config asks for a KL loss at coefficient 0 (the reference pass skipped)."""
     return bool(getattr(config, "use_kl_loss", False)) and float(getattr(config, "kl_loss_coef", 0.0)) == 0.0
 
 
@@ -113,7 +114,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     """wrapt wrapper of the legacy ``DataParallelPPOActor.update_policy(data)``: without reference
     log-probs (KL coefficient 0), the update runs with the KL loss off."""
     data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or not _zero_coefficient(instance.config) or "ref_log_prob" in data.batch.keys():
+    if instance is None or data is None or not zero_coefficient(instance.config) or "ref_log_prob" in data.batch.keys():
         return wrapped(*args, **kwargs)
     config = instance.config
     instance.config = without_kl_loss(config)  # verl reads self.config.use_kl_loss inside update_policy
@@ -136,7 +137,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
 
     data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
     config = actor_config_of(loss_function)
-    if forward_only or config is None or not _zero_coefficient(config) or "ref_log_prob" in data.keys() \
+    if forward_only or config is None or not zero_coefficient(config) or "ref_log_prob" in data.keys() \
             or not isinstance(loss_function, functools.partial):
         return wrapped(*args, **kwargs)
     loss = functools.partial(loss_function.func, *loss_function.args,
@@ -186,7 +187,7 @@ def megatron_update_actor(wrapped: Callable[..., Any], instance: Any, args: tupl
     loss off (it reads ``self.config.use_kl_loss`` in both)."""
     data = args[0] if args else kwargs.get("data")
     actor = getattr(instance, "actor", None)
-    if actor is None or data is None or not _zero_coefficient(actor.config) or "ref_log_prob" in data.batch.keys():
+    if actor is None or data is None or not zero_coefficient(actor.config) or "ref_log_prob" in data.batch.keys():
         return wrapped(*args, **kwargs)
     config = actor.config
     actor.config = without_kl_loss(config)

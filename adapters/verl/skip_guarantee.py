@@ -17,6 +17,9 @@ pass leaves a placeholder (:mod:`.placeholder`) that only a patched worker repla
    :class:`~.placeholder.PlaceholderError`. A worker without grpo_patches gets a NaN loss from
    the placeholder, and verl skips that optimizer step (non-finite grad norm): nothing was
    trained on it, and the run stops here.
+3. The same wrappers adopt the options verify mode switched off in the workers
+   (``grpo_patches/verify/switched_off/<option>`` in the update's metrics: :mod:`.verify`), so
+   the trainer stops skipping the pass from the next step on.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Callable
 from grpo_patches import instance_state
 
 from .placeholder import FIX, PlaceholderError
+from .verify import adopt_switch_offs
 
 #: The metric the worker's substitution reports (verl's trainer may prefix it with ``actor/``).
 SUBSTITUTED = "grpo_patches/old_log_probs_substituted"
@@ -138,6 +142,7 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     expected, own.pending = own.pending, False
     output = wrapped(*args, **kwargs)
     metrics = getattr(output, "meta_info", {}).get("metrics", {})
+    adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
     _check(expected, metrics)
     if expected:  # the saving, in verl's own metrics (the trainer logs its update's)
         metrics[SKIPPED] = 1.0
@@ -152,6 +157,7 @@ def update_actor_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     expected, own.pending = own.pending, False
     metrics = args[1] if len(args) > 1 else kwargs.get("metrics")
     output = wrapped(*args, **kwargs)
+    adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
     _check(expected, metrics)
     if expected and metrics is not None:
         metrics[SKIPPED] = 1.0

@@ -18,6 +18,8 @@ class ActorState:
     :ivar decided: ``filter_mode`` was decided.
     :ivar totals: running totals of the counters reported in verl's metrics.
     :ivar tiled: the tiled lm-head loss runs for this actor (decided once: ``tiled_decided``).
+    :ivar optimizer_steps: the training updates (optimizer steps) seen so far, 0-based as verify
+        mode counts them (:mod:`.verify`; counted only with ``verify_every`` set).
     """
 
     filter_mode: str | None = None
@@ -25,6 +27,7 @@ class ActorState:
     tiled: bool = False
     tiled_decided: bool = False
     totals: dict[str, float] = field(default_factory=dict)
+    optimizer_steps: int = 0
 
 
 def of(obj: Any) -> ActorState:

@@ -174,6 +174,7 @@ class Run:
     grad_rows: int = 0
     nograd_rows: int = 0
     status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] right after the update
+    weights: dict = field(default_factory=dict)  # the model's weights after the update (legacy_run)
 
 
 def count_forwards(model: torch.nn.Module, run: Run) -> None:
@@ -254,6 +255,7 @@ def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, wo
     try:
         run.metrics = actor.update_policy(data)
         run.status = verl_status()
+        run.weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     finally:
         patches(None)
     return run
@@ -311,7 +313,7 @@ class EngineWorker:
     """One FSDP2 ``TrainingWorker`` reused across runs (its weights reset before each)."""
 
     def __init__(self, path: str, *, dynamic: bool = False, mbs: int = 2, max_tokens: int = 40, fused: bool = False,
-                 remove_padding: bool = False):
+                 remove_padding: bool = False, dropout: float = 0.0):
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import (FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig,
                                          TrainingWorkerConfig)
@@ -320,7 +322,8 @@ class EngineWorker:
         if fused:
             fused_types()  # the saved model's type, before verl reads its config
         model = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=remove_padding,
-                              enable_gradient_checkpointing=False, override_config={"attn_implementation": "eager"},
+                              enable_gradient_checkpointing=False,
+                              override_config={"attn_implementation": "eager", "attention_dropout": dropout},
                               use_fused_kernels=fused, fused_kernel_options={"impl_backend": "torch"} if fused else {})
         engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
                                   mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
@@ -468,7 +471,7 @@ class EngineGroup:
         return self.worker.worker.infer_batch(td)
 
 
-def engine_old_pass_then_update(options, *, mini=16, placeholder=False, **config):
+def engine_old_pass_then_update(options, *, mini=16, placeholder=False, worker=None, **config):
     """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update.
     ``placeholder``: the update gets placeholder old log-probs whatever the trainer did."""
     from verl import DataProto
@@ -477,7 +480,7 @@ def engine_old_pass_then_update(options, *, mini=16, placeholder=False, **config
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    worker = shared_worker()
+    worker = worker or shared_worker()
     worker.reset_weights()
     trainer = object.__new__(RayPPOTrainer)
     trainer.config = trainer_config(use_kl_loss=False, mini=mini, **config)

@@ -1,0 +1,225 @@
+"""Verify mode on verl's FSDP engine (0.8+; :mod:`.verify`): ``FSDPEngine.forward_backward_batch``.
+
+The record (option ``verify_every``, the outermost on that method) counts the training calls,
+one per optimizer step (``train_batch``: zero_grad, ``forward_backward_batch``, step), and on
+the steps :func:`grpo_patches.verify.due` picks runs :class:`EngineStep`:
+
+1. a skipped old-logprob pass (the update's old log-probs are the placeholder): verl's pass
+   really runs on the mini-batch, forward only, the model in eval mode, before the update;
+2. the patched computation as without verification; the loss's old log-probs (the detached
+   current ones) are compared with the pass where the loss reads them
+   (:mod:`.verify_old_logprobs`): ``grpo_patches/verify/old_logprob_max_abs_diff``;
+3. verl's own computation, from the same random state, with every record passing through
+   (:mod:`.bypass`) on the inputs unpatched verl has: the pass's old log-probs, the entropies
+   only if verl asked for them, and, when the reference pass was skipped (KL coefficient 0),
+   the KL term with the old log-probs standing in for the reference log-probs (the reference
+   model was never built; the term is multiplied by 0, so any finite values prove the point).
+   Its loss is also computed without the KL term on the same forward:
+   ``grpo_patches/verify/reference_loss_abs_diff``;
+4. the mini-batch's gradient, patched vs verl's (``.grad`` as each run's own backward left it,
+   FSDP's reduce-scatter included): ``grpo_patches/verify/grad_rel_diff`` (relative L2).
+
+The step then leaves ``.grad``, the random state, the savings totals and the output (verl's
+metrics) as the chosen computation left them, plus the figures in verl's metrics (one value
+per mini-batch, as verl logs its own). ``"raise"`` raises before the optimizer step;
+``"disable"`` keeps verl's result and switches the options off (the trainer learns it from the
+metrics: :mod:`.verify`). The skipped reference pass cannot come back within a run (no
+reference model was built): a difference there raises with either action.
+
+The Megatron engine is not verified: ``verify_every`` with it raises at its first update
+(:func:`megatron_forward_backward_batch`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from grpo_patches import verify as core
+from grpo_patches.errors import ExactnessError
+from grpo_patches.refuse_or_note import refuse_or_note
+from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, totals
+
+from . import bypass, placeholder
+from . import verify as shared
+from .verify_old_logprobs import PASS_FIELD, collecting
+from .engine_calls import actor_config_of, forward_backward_arguments
+
+FRAMEWORK = shared.FRAMEWORK
+
+
+def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``FSDPEngine.forward_backward_batch(data, loss_function, forward_only)``."""
+    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    config = actor_config_of(loss_function)
+    if instance is None or forward_only or config is None or bypass.active() or "advantages" not in data.keys():
+        return wrapped(*args, **kwargs)
+    step = shared.next_step(instance)
+    if not core.due(FRAMEWORK, step):
+        return wrapped(*args, **kwargs)
+    return EngineStep(wrapped, instance, data, loss_function, config, step).run()
+
+
+#: Why verify mode stays off on verl's Megatron engines (the legacy ``MegatronPPOActor`` too).
+MEGATRON_WHY = "verify mode does not cover verl's Megatron actors yet: no check would run on their updates"
+
+
+def megatron_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: verify mode does not cover it (yet):
+    an error at the first update (``verify_every`` set), a note with ``enable("all")``."""
+    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    if instance is None or forward_only or actor_config_of(loss_function) is None or bypass.active():
+        return wrapped(*args, **kwargs)
+    refuse_or_note(FRAMEWORK, "verify_every", MEGATRON_WHY, owner=instance)
+    return wrapped(*args, **kwargs)
+
+
+def compute_dtype(engine: Any) -> Any:
+    """The dtype the engine computes in (FSDP's ``mixed_precision.param_dtype``; fp32 when unknown)."""
+    import torch
+
+    mixed = getattr(getattr(engine, "engine_config", None), "mixed_precision", None) or {}
+    name = str(mixed.get("param_dtype", "fp32") if hasattr(mixed, "get") else "fp32").replace("torch.", "")
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+            "float16": torch.float16}.get(name, torch.float32)
+
+
+class EngineStep:
+    """One verify step on the engine (module docstring)."""
+
+    def __init__(self, wrapped: Callable[..., Any], engine: Any, data: Any, loss_function: Any, config: Any,
+                 step: int) -> None:
+        self.wrapped, self.engine, self.data, self.loss_function = wrapped, engine, data, loss_function
+        self.config, self.step = config, step
+        self.params = list(engine.module.parameters())
+        self.group = engine.get_data_parallel_group()
+        self.dtype = compute_dtype(engine)
+        from .old_logprobs_engine import active
+        from .reference import zero_coefficient
+
+        self.on_policy = active()  # the worker substitutes a skipped pass on this update
+        self.substituted = self.on_policy is not None and "old_log_probs" in data.keys() \
+            and placeholder.present(data["old_log_probs"])
+        self.reference_skipped = zero_coefficient(config) and "ref_log_prob" not in data.keys()
+        self.figures: dict[str, float] = {}
+
+    def run(self) -> Any:
+        from verl.utils import tensordict_utils as tu
+
+        start_rng, start_grads, start_totals = core.rng_state(), shared.copies(shared.grads(self.params)), totals(FRAMEWORK)
+        old = self.old_logprob_pass() if self.substituted else None
+        patched_data = self.data.copy()
+        if old is not None:
+            patched_data[PASS_FIELD] = old
+        with collecting() as diffs:
+            out_p = self.wrapped(patched_data, self.loss_function, False)
+        names = shared.optimizations_on(self.engine)
+        if not (names or self.substituted or self.reference_skipped):
+            return out_p  # nothing changed work on this step: nothing to compare
+        grads_p, rng_p = shared.grads(self.params), core.rng_state()
+
+        shared.set_grads(self.params, shared.copies(start_grads))
+        core.set_rng_state(start_rng)
+        upstream = self.data.copy()
+        if old is not None:
+            upstream["old_log_probs"] = old
+            if self.on_policy.forced_entropy:  # verl did not ask for entropies: the substitution did
+                tu.assign_non_tensor(upstream, calculate_entropy=False)
+        loss_function, without_kl = self.loss_function, []
+        if self.reference_skipped:
+            upstream["ref_log_prob"] = upstream["old_log_probs"]
+            loss_function = self._loss_with_and_without_kl(without_kl)
+        with bypass.unpatched():
+            out_u = self.wrapped(upstream, loss_function, False)
+        grads_u, rng_u = shared.grads(self.params), core.rng_state()
+
+        verdicts = []  # (verdict, the options it covers)
+        if self.substituted:
+            verdicts.append(self._check(["logprob_skip"], "old_logprob_max_abs_diff", max(diffs, default=0.0),
+                                        "the old log-probs the loss used (the current ones, detached) against "
+                                        "verl's old-logprob pass on the same weights"))
+        if self.reference_skipped:
+            verdict, _ = self._check(["logprob_skip"], "reference_loss_abs_diff", max(without_kl, default=0.0),
+                                     "verl's loss with the KL term at coefficient 0 against without it")
+            if not verdict.ok:
+                raise ExactnessError(FRAMEWORK, ("logprob_skip",), self.step, "reference_loss_abs_diff",
+                                     verdict.measured, verdict.tolerance,
+                                     "the reference model was not built and cannot come back within this run: "
+                                     "restart with logprob_skip=False")
+            verdicts.append((verdict, ["logprob_skip"]))
+        grad_names = names + (["logprob_skip"] if self.substituted or self.reference_skipped else [])
+        verdicts.append(self._check(grad_names, "grad_rel_diff", core.rel_l2(grads_p, grads_u),
+                                    "the mini-batch's gradient against verl's unpatched update"))
+        if all(v.ok for v, _ in verdicts):
+            shared.set_grads(self.params, grads_p)
+            core.set_rng_state(rng_p)
+            return self._finish(out_p, [])
+        shared.set_grads(self.params, grads_u)  # "disable": verl's own result, from here on verl's own run
+        core.set_rng_state(rng_u)
+        reset_totals(FRAMEWORK)
+        add_to_totals(FRAMEWORK, start_totals)
+        shared.forget_decisions(self.engine)
+        return self._finish(out_u, sorted({n for v, names in verdicts if not v.ok for n in names}))
+
+    def _check(self, names: list[str], quantity: str, measured: float, detail: str) -> tuple:
+        limit = core.tolerance(FRAMEWORK, self.dtype)
+        verdict = core.check(FRAMEWORK, names, self.step, quantity, measured, limit, group=self.group, detail=detail)
+        self.figures.update(verdict.metrics)
+        return verdict, names
+
+    def _finish(self, output: Any, switched_off: list[str]) -> Any:
+        metrics = output["metrics"]
+        shared.add_figures(metrics, self.figures)
+        shared.mark_switched_off(metrics, switched_off)
+        return output
+
+    def old_logprob_pass(self) -> Any:
+        """verl's old-logprob pass on this mini-batch (forward only, eval mode, every record
+        passing through), in the layout of the update's ``old_log_probs``."""
+        import torch
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        data = self.data.copy()
+        tu.assign_non_tensor(data, calculate_entropy=False)
+        module = self.engine.module
+        training = module.training
+        with core.preserved_rng(), torch.no_grad(), bypass.unpatched():
+            module.eval()
+            try:
+                out = self.engine.forward_backward_batch(data, None, forward_only=True)
+            finally:
+                module.train(training)
+        padded = no_padding_2_padding(out["model_output"]["log_probs"], data).detach().float()
+        old = self.data["old_log_probs"]
+        if not getattr(old, "is_nested", False):
+            return padded.to(old.device)
+        lengths = old.offsets().diff().tolist()
+        values = torch.cat([padded[i, :n] for i, n in enumerate(lengths)]).to(old.values().device)
+        return torch.nested.nested_tensor_from_jagged(values, offsets=old.offsets())
+
+    def _loss_with_and_without_kl(self, differences: list) -> Any:
+        """verl's loss (KL term on, coefficient 0) that also records how much it differs from
+        the same loss without the KL term, on the same forward."""
+        from .reference import without_kl_loss
+
+        loss_function = self.loss_function
+        without = functools.partial(loss_function.func, *loss_function.args,
+                                    **{**loss_function.keywords, "config": without_kl_loss(self.config)})
+
+        @functools.wraps(loss_function.func)
+        def both(*args: Any, **kwargs: Any) -> Any:
+            loss, metrics = loss_function(*args, **kwargs)
+            other, _ = without(*args, **kwargs)
+            differences.append(core.max_abs_diff(loss.detach().reshape(1), other.detach().reshape(1)))
+            return loss, metrics
+
+        return both
+
+
+def megatron_update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy ``MegatronPPOActor.update_policy`` (0.6.1-0.7.x): as
+    :func:`megatron_forward_backward_batch`."""
+    if instance is not None and not bypass.active():
+        refuse_or_note(FRAMEWORK, "verify_every", MEGATRON_WHY, owner=instance)
+    return wrapped(*args, **kwargs)

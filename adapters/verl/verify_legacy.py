@@ -1,0 +1,183 @@
+"""Verify mode on verl's legacy ``DataParallelPPOActor`` (0.6.1-0.7.x; :mod:`.verify`).
+
+``update_policy(data)`` runs every mini-batch and epoch of a rollout batch with the optimizer
+steps inside it, so a verify step is the whole update run twice (records on ``update_policy``,
+outermost, and ``_optimizer_step``, option ``verify_every``), when any of its optimizer steps
+is due (:func:`grpo_patches.verify.due`, steps counted 0-based per actor):
+
+1. verl's own update first, every record passing through (:mod:`.bypass`), on the inputs
+   unpatched verl has (a skipped reference pass: the old log-probs stand in for the reference
+   log-probs under the KL term at coefficient 0); the gradient before each optimizer step is
+   kept, and the state it ends in (weights, optimizer state, random state);
+2. the weights, optimizer state, gradients and random state put back, then the patched update;
+   before each of its optimizer steps its gradient is compared with verl's of the same step
+   (``grpo_patches/verify/grad_rel_diff``, relative L2, one all-reduce per step): ``"raise"``
+   raises before that step's update; ``"disable"`` stops the patched update and leaves the
+   actor as verl's own update left it (its metrics too), the options switched off.
+
+A skipped old-logprob pass (0.7) needs no comparison of its own here: verl's legacy actor
+ignores old log-probs on the one-mini-batch, one-epoch updates the skip is limited to
+(``old_log_prob = log_prob.detach()``), so the loss uses the same values patched or not; the
+gradient comparison covers the rest. Cost: two updates, plus copies of the weights and the
+optimizer state (the unpatched end state is kept until the patched update has passed).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from grpo_patches import verify as core
+from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, totals
+
+from . import bypass
+from . import verify as shared
+
+FRAMEWORK = shared.FRAMEWORK
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_verify_legacy", default=None)
+
+
+class _UseVerls(Exception):
+    """The patched update stops: a check failed with ``verify_action="disable"``."""
+
+
+@dataclass
+class _Capture:
+    actor: Any
+    reference: list | None = None  # verl's gradients, one per optimizer step (compare against them)
+    grads: list = field(default_factory=list)  # the gradients seen (capturing verl's run)
+
+
+@dataclass
+class _State:
+    params: list
+    grads: list
+    optimizer: dict
+    rng: Any
+
+
+def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``DataParallelPPOActor.update_policy(data)``."""
+    if instance is None or instance.actor_optimizer is None or bypass.active() or _ACTIVE.get() is not None:
+        return wrapped(*args, **kwargs)
+    data = args[0] if args else kwargs["data"]
+    config = instance.config
+    steps = -(-len(data) // config.ppo_mini_batch_size) * int(config.ppo_epochs)
+    first = shared.next_step(instance)
+    shared.state.of(instance).optimizer_steps = first + steps
+    if not any(core.due(FRAMEWORK, s) for s in range(first, first + steps)):
+        return wrapped(*args, **kwargs)
+    return LegacyStep(wrapped, instance, data, args, kwargs, first).run()
+
+
+def optimizer_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``DataParallelPPOActor._optimizer_step()``: keep or compare the gradient."""
+    capture = _ACTIVE.get()
+    if capture is None or capture.actor is not instance:
+        return wrapped(*args, **kwargs)
+    params = list(instance.actor_module.parameters())
+    if capture.reference is None:
+        capture.grads.append(shared.copies(shared.grads(params)))
+    else:
+        capture.grads.append(None)
+        LegacyStep.current.compare(len(capture.grads) - 1, shared.grads(params))
+    return wrapped(*args, **kwargs)
+
+
+class LegacyStep:
+    """One verified ``update_policy`` call (module docstring)."""
+
+    current: "LegacyStep"
+
+    def __init__(self, wrapped: Callable[..., Any], actor: Any, data: Any, args: tuple, kwargs: dict,
+                 first: int) -> None:
+        import torch.distributed as dist
+
+        self.wrapped, self.actor, self.data, self.args, self.kwargs, self.first = wrapped, actor, data, args, kwargs, first
+        self.params = list(actor.actor_module.parameters())
+        self.group = None if not (dist.is_available() and dist.is_initialized()) else dist.group.WORLD
+        from .reference import zero_coefficient
+
+        self.reference_skipped = zero_coefficient(actor.config) and "ref_log_prob" not in data.batch.keys()
+        self.figures: list[float] = []
+        self.failed: list[str] = []
+        self.reference: list = []
+
+    def _state(self) -> _State:
+        return _State([p.detach().clone() for p in self.params], shared.copies(shared.grads(self.params)),
+                      copy.deepcopy(self.actor.actor_optimizer.state_dict()), core.rng_state())
+
+    def _restore(self, state: _State) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, saved in zip(self.params, state.params):
+                p.copy_(saved)
+        shared.set_grads(self.params, shared.copies(state.grads))
+        self.actor.actor_optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+        core.set_rng_state(state.rng)
+
+    def _verls_inputs(self) -> Any:
+        data = copy.copy(self.data)
+        data.batch = self.data.batch.clone(False)  # a shallow copy: verl's update only reads its tensors
+        if self.reference_skipped:
+            data.batch["ref_log_prob"] = data.batch["old_log_probs"]
+        return data
+
+    def run(self) -> Any:
+        start, start_totals = self._state(), totals(FRAMEWORK)
+        capture = _Capture(self.actor)
+        token = _ACTIVE.set(capture)
+        try:
+            with bypass.unpatched():
+                out_u = self.wrapped(self._verls_inputs())
+        finally:
+            _ACTIVE.reset(token)
+        self.reference = capture.grads
+        end_u = self._state()
+        self._restore(start)
+        LegacyStep.current = self
+        capture = _Capture(self.actor, reference=self.reference)
+        token = _ACTIVE.set(capture)
+        try:
+            out_p = self.wrapped(*self.args, **self.kwargs)
+        except _UseVerls:
+            self._restore(end_u)
+            reset_totals(FRAMEWORK)
+            add_to_totals(FRAMEWORK, start_totals)
+            shared.forget_decisions(self.actor)
+            return self._finish(out_u, sorted(set(self.failed)))
+        finally:
+            _ACTIVE.reset(token)
+        return self._finish(out_p, [])
+
+    def names(self) -> list[str]:
+        return shared.optimizations_on(self.actor) + (["logprob_skip"] if self.reference_skipped else [])
+
+    def compare(self, index: int, grads: list) -> None:
+        """The patched update's gradient before optimizer step ``index`` against verl's (every rank alike)."""
+        names = self.names()
+        verdict = core.check(FRAMEWORK, names, self.first + index, "grad_rel_diff", core.rel_l2(grads, self.reference[index]),
+                             core.tolerance(FRAMEWORK, _dtype(self.actor)), group=self.group,
+                             detail="the optimizer step's gradient against verl's unpatched update_policy")
+        self.figures.append(verdict.measured)
+        if not verdict.ok:
+            self.failed.extend(names)
+            raise _UseVerls()
+
+    def _finish(self, out: dict, switched_off: list[str]) -> dict:
+        if self.figures:
+            out[core.METRIC_PREFIX + "grad_rel_diff"] = list(self.figures)
+        shared.mark_switched_off(out, switched_off)
+        return out
+
+
+def _dtype(actor: Any) -> Any:
+    """The dtype the actor computes in (its parameters'; FSDP1's mixed precision param dtype when set)."""
+    mixed = getattr(actor.actor_module, "mixed_precision", None)
+    param_dtype = getattr(mixed, "param_dtype", None)
+    if param_dtype is not None:
+        return param_dtype
+    return next(iter(actor.actor_module.parameters())).dtype
