@@ -1,7 +1,7 @@
 """The cost of a verify step on verl's engine line (0.8+): patched vs patched with ``verify_every=1``.
 
 verl's own ``TrainingWorker.train_mini_batch`` (FSDP2 engine, ``ppo_loss``) on CPU in fp32, the
-CPU platform of the tests (``tests/helpers/verl_cpu_shim.py``), a Qwen2-style model built from a
+CPU platform of the tests (``grpo_patches/testing/verl_cpu_shim.py``), a Qwen2-style model built from a
 config (no download), one rollout batch per update with half the rows at advantage exactly 0,
 two mini-batches (two optimizer steps) per update. Variants, timed round-robin in one process
 after a warm-up update of each: ``patched`` (the defaults: zero-advantage filter) and
@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def _model_dir(root: str, spec: dict) -> str:
@@ -47,7 +45,7 @@ def _batch(spec: dict, skip: bool):
     from verl.workers.utils.padding import left_right_2_no_padding
 
     from grpo_patches.adapters.verl import placeholder
-    from tests.helpers import verl_harness as h
+    from grpo_patches.testing import verl_actor_runs as h
 
     rows = spec["rows"]
     batch = h.make_batch(rows=rows, zero_rows=tuple(range(0, rows, 2)), prompt=spec["prompt"],
@@ -75,7 +73,7 @@ def main() -> None:
 
     import torch
 
-    from tests.helpers import verl_harness as h
+    from grpo_patches.testing import verl_actor_runs as h
 
     torch.set_num_threads(2)
     h.engine_setup()

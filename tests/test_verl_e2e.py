@@ -25,7 +25,7 @@ import os
 
 import pytest
 
-from tests.helpers import verl_harness
+from grpo_patches.testing import verl_actor_runs as verl_harness
 
 if verl_harness.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)

@@ -16,8 +16,8 @@ import os
 
 import pytest
 
-from tests.helpers import verl_harness as h
-from tests.helpers.verl_harness import process_group  # noqa: F401  (autouse: one process group per module)
+from grpo_patches.testing import verl_actor_runs as h
+from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)

@@ -21,7 +21,7 @@ import os
 
 import pytest
 
-from tests.helpers import verl_harness as h
+from grpo_patches.testing import verl_actor_runs as h
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -33,7 +33,7 @@ import grpo_patches  # noqa: E402
 from grpo_patches import verify_log  # noqa: E402
 from grpo_patches.errors import GrpoPatchesWarning, IncompatibleOptionsError  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow  # noqa: E402
-from tests.helpers.verl_harness import process_group  # noqa: E402,F401  (autouse: one process group per module)
+from tests.helpers.verl_fixtures import process_group  # noqa: E402,F401  (autouse: one process group per module)
 
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
 SKIP = {"zero_advantage_filter": False, "logprob_skip": True}

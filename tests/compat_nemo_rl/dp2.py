@@ -52,7 +52,7 @@ def _verify(rank: int, port: int) -> dict:
 
     import torch
 
-    from tests.compat_nemo_rl import harness
+    from grpo_patches.testing import nemo_rl_cpu as harness
     from tests.helpers import nemo_verify_cases as cases
     from tests.helpers.faulty_plugins import DropsANonZeroRow
     from tests.helpers.nemo_worker_harness import batched, make_batch, max_grad_rel

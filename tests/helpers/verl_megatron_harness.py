@@ -1,5 +1,5 @@
 """verl's Megatron engine (0.8+) on a CPU: the real ``TrainingWorker`` / ``MegatronEngineWithLMHead``
-built through mbridge from the tiny Qwen2 of :mod:`verl_harness`, run in fp32 on gloo.
+built through mbridge from the tiny Qwen2 of :mod:`grpo_patches.testing.verl_actor_runs`, run in fp32 on gloo.
 
 Test-only adjustments, none of them to a verl function:
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests.helpers import verl_harness as h
+from grpo_patches.testing import verl_actor_runs as h
 
 GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
 #: fp32 on CPU (exactness at 1e-6); bf16 on the gpu tier (compared with the re-batching noise floor)

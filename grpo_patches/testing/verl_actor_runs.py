@@ -1,4 +1,4 @@
-"""Shared harness of the verl tests: a tiny Qwen2 (fp32, eager), verl-shaped rollout batches,
+"""verl's own actor update on a CPU, for the verl tests and benchmarks: a tiny Qwen2 (fp32, eager), verl-shaped rollout batches,
 gloo process groups, and runners for verl's own update on both code lines, patches off or on.
 
 * legacy (0.6.1-0.7.1): ``DataParallelPPOActor.update_policy`` on a plain or FSDP2-sharded model;
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-import pytest
 import torch
 
 try:
@@ -40,9 +39,8 @@ def line() -> str | None:
     return line_of(Version(VERL))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """Autouse in the modules that import it: the gloo group (legacy) or the engine's setup, once per module."""
+def setup_process() -> None:
+    """The gloo group (legacy) or the engine's setup (CPU platform + gloo group), once per process."""
     torch.set_num_threads(2)
     if line().startswith("legacy"):
         init_pg()

@@ -1,0 +1,13 @@
+"""The verl tests' module-scoped set-up (:func:`grpo_patches.testing.verl_actor_runs.setup_process`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_patches.testing.verl_actor_runs import setup_process
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group() -> None:
+    """Autouse in the modules that import it: the gloo group (legacy) or the engine's setup, once per module."""
+    setup_process()
