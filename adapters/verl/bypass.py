@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import importlib
+import sys
 from typing import Any, Callable, Iterator
 
 _UNPATCHED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_unpatched", default=False)
@@ -38,19 +39,19 @@ def unpatched() -> Iterator[None]:
 class Bypassable:
     """A record's wrapper (``"package.module:function"``) that passes through under :func:`unpatched`."""
 
-    __slots__ = ("path", "_fn")
+    __slots__ = ("path", "_module", "_name")
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fn: Callable[..., Any] | None = None
+        self._module, _, self._name = path.partition(":")
 
     def __call__(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         if _UNPATCHED.get():
             return wrapped(*args, **kwargs)
-        if self._fn is None:
-            module, _, name = self.path.partition(":")
-            self._fn = getattr(importlib.import_module(module), name)
-        return self._fn(wrapped, instance, args, kwargs)
+        # looked up on every call, never cached: the module's current function, as a record named by
+        # string resolves it (a reloaded module or a test's planted fault is seen at once)
+        module = sys.modules.get(self._module) or importlib.import_module(self._module)
+        return getattr(module, self._name)(wrapped, instance, args, kwargs)
 
     def __reduce__(self) -> tuple:
         return Bypassable, (self.path,)
