@@ -29,21 +29,11 @@ _ENTROPY: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_ent
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the legacy ``update_policy``: check the on-policy promise, log the real entropy."""
-    data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or "old_log_probs" not in data.batch.keys():
-        return wrapped(*args, **kwargs)
-    old = data.batch["old_log_probs"]
-    if not placeholder.present(old):
+    data = placeholder.skipped_pass_batch(args, kwargs) if instance is not None else None
+    if data is None:
         return wrapped(*args, **kwargs)
     config = instance.config
-    mini_batches = -(-len(data) // config.ppo_mini_batch_size)
-    if not placeholder.fills(old) or mini_batches != 1 or config.ppo_epochs != 1 \
-            or config.get("use_rollout_log_probs", False):
-        raise placeholder.PlaceholderError(
-            f"grpo_patches: the old-logprob pass was skipped but this update is not on-policy ({len(data)} rows, "
-            f"ppo_mini_batch_size={config.ppo_mini_batch_size}, ppo_epochs={config.ppo_epochs}, old log-probs all "
-            f"placeholder: {placeholder.fills(old)}); nothing was trained. Please report this and {placeholder.FIX}"
-        )
+    placeholder.require_on_policy(data, config)
     captured: list = []
     token = _ENTROPY.set(captured)
     try:

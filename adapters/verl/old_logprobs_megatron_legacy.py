@@ -31,22 +31,11 @@ _SUBSTITUTE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_
 
 def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the legacy Megatron ``ActorRolloutRefWorker.update_actor(data) -> DataProto``."""
-    data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or "old_log_probs" not in data.batch.keys():
+    data = placeholder.skipped_pass_batch(args, kwargs) if instance is not None else None
+    if data is None:
         return wrapped(*args, **kwargs)
-    old = data.batch["old_log_probs"]
-    if not placeholder.present(old):
-        return wrapped(*args, **kwargs)
-    config = instance.actor.config  # ppo_mini_batch_size: this data-parallel rank's rows (verl divided it)
-    mini_batches = -(-len(data) // int(config.ppo_mini_batch_size))
-    if not placeholder.fills(old) or mini_batches != 1 or int(config.ppo_epochs) != 1 \
-            or config.get("use_rollout_log_probs", False):
-        raise placeholder.PlaceholderError(
-            f"grpo_patches: the old-logprob pass was skipped but this Megatron update is not on-policy ({len(data)} "
-            f"rows, ppo_mini_batch_size={config.ppo_mini_batch_size} per rank, ppo_epochs={config.ppo_epochs}, old "
-            f"log-probs all placeholder: {placeholder.fills(old)}); nothing was trained. Please report this and "
-            f"{placeholder.FIX}"
-        )
+    # ppo_mini_batch_size: this data-parallel rank's rows (verl divided it)
+    placeholder.require_on_policy(data, instance.actor.config, "this Megatron update")
     token = _SUBSTITUTE.set(True)
     try:
         output = wrapped(*args, **kwargs)

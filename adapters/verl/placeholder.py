@@ -60,6 +60,27 @@ def present(t: Any) -> bool:
     return bool(_flags(t).any())
 
 
+def skipped_pass_batch(args: tuple, kwargs: dict) -> Any | None:
+    """The ``data`` argument of a legacy update call when its old log-probs are the skipped pass's
+    placeholder (``None`` otherwise: the update runs as verl's own)."""
+    data = args[0] if args else kwargs.get("data")
+    if data is None or "old_log_probs" not in data.batch.keys() or not present(data.batch["old_log_probs"]):
+        return None
+    return data
+
+
+def require_on_policy(data: Any, config: Any, what: str = "this update") -> None:
+    """Raise before training unless ``data`` (placeholder old log-probs) is one on-policy update:
+    one mini-batch (``config.ppo_mini_batch_size``: this rank's rows), one epoch, no rollout log-probs."""
+    old = data.batch["old_log_probs"]
+    mini_batches = -(-len(data) // int(config.ppo_mini_batch_size))
+    if not fills(old) or mini_batches != 1 or int(config.ppo_epochs) != 1 or config.get("use_rollout_log_probs", False):
+        raise PlaceholderError(
+            f"grpo_patches: the old-logprob pass was skipped but {what} is not on-policy ({len(data)} rows, "
+            f"ppo_mini_batch_size={config.ppo_mini_batch_size}, ppo_epochs={config.ppo_epochs}, old log-probs all "
+            f"placeholder: {fills(old)}); nothing was trained. Please report this and {FIX}")
+
+
 def guard_policy_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``get_policy_loss_fn`` (the binding verl's loss calls): the policy loss
     it returns refuses an ``old_log_prob`` holding the placeholder."""

@@ -18,6 +18,7 @@ import types
 from typing import Any
 
 from grpo_patches.testing import skip
+from grpo_patches.testing.nemo_rl_startup.nemo_e2e_cpu import cpu_device  # one CUDA -> CPU map for both shims
 
 TAG_ENV = "NEMO_RL_TAG"
 
@@ -30,18 +31,6 @@ def tag() -> str:
     if version is None:
         skip("not run: no NeMo-RL source on the path (set NEMO_RL_SRC, see compat/sources.py)")
     return {"0.5": "v0.5.0", "0.6": "v0.6.0", "0.7": "v0.7.0", "0.8": "main"}[f"{version.major}.{version.minor}"]
-
-
-def cpu_device(device: Any) -> Any:
-    import torch
-
-    if isinstance(device, str) and device.startswith("cuda"):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    if isinstance(device, int) and not isinstance(device, bool):
-        return "cpu"
-    return device
 
 
 def install_cpu_shim() -> None:

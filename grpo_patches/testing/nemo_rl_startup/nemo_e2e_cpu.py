@@ -1,7 +1,7 @@
 """NeMo-RL's GRPO entry point on a CPU-only machine, for the end-to-end runs only (the compat cells, the benchmark).
 
 Imported by ``sitecustomize.py`` next to this file in every process of a cell's run (driver
-and Ray workers) when ``GRPO_PATCHES_E2E_CPU`` is set; nothing here ships or patches what
+and Ray workers) when ``GRPO_PATCHES_E2E_CPU`` is set; nothing here patches what
 grpo_patches patches. It supplies what the machine lacks, at import time of the modules
 concerned (``wrapt`` post-import hooks):
 
@@ -56,7 +56,7 @@ def install() -> None:
 # ---------------------------------------------------------------- CUDA -> CPU
 
 
-def _cpu(device: Any) -> Any:
+def cpu_device(device: Any) -> Any:
     import torch
 
     if isinstance(device, str) and device.startswith("cuda"):
@@ -75,7 +75,7 @@ def _cpu_torch(torch: Any) -> None:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if "device" in kwargs:
-                kwargs["device"] = _cpu(kwargs["device"])
+                kwargs["device"] = cpu_device(kwargs["device"])
             kwargs.pop("pin_memory", None)
             return fn(*args, **kwargs)
 
@@ -85,8 +85,8 @@ def _cpu_torch(torch: Any) -> None:
                  "full_like", "rand", "randn", "randint", "as_tensor", "linspace", "empty_strided"):
         setattr(torch, name, on_cpu(getattr(torch, name)))
     to = torch.Tensor.to
-    torch.Tensor.to = lambda self, *a, **k: to(self, *[_cpu(x) for x in a],
-                                               **{n: _cpu(v) if n == "device" else v for n, v in k.items()})
+    torch.Tensor.to = lambda self, *a, **k: to(self, *[cpu_device(x) for x in a],
+                                               **{n: cpu_device(v) if n == "device" else v for n, v in k.items()})
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.pin_memory = lambda self, *a, **k: self
     torch.nn.Module.cuda = lambda self, *a, **k: self
