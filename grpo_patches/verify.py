@@ -58,6 +58,8 @@ METRIC_PREFIX = "grpo_patches/verify/"
 FP32_TOLERANCE = 1e-5
 #: ``verify_tolerance=None`` in bf16 / fp16: accepted up to this many times the noise floor.
 NOISE_FACTOR = 10.0
+#: The half-precision noise floor of a gradient comparison, logged next to it.
+NOISE_METRIC = METRIC_PREFIX + "grad_noise_floor"
 #: The noise floor is never taken below this fraction of the dtype's machine epsilon: a
 #: re-batched repeat can be bitwise equal by chance, and 10 x 0 would flag any rounding.
 _FLOOR_OF_EPS = 0.01
@@ -120,6 +122,20 @@ def tolerance(framework: str, dtype: "torch.dtype | str | None" = None, noise_fl
 def _half_eps(dtype: Any) -> float | None:
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
     return {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(name)
+
+
+def needs_noise_floor(framework: str, dtype: Any) -> bool:
+    """Whether a gradient comparison in ``dtype`` needs a measured noise floor: a half dtype
+    and no ``verify_tolerance`` set by the user (then the repeat would only cost time)."""
+    return _half_eps(dtype) is not None and settings(framework)[2] is None
+
+
+def noise_floor(repeated: Sequence["torch.Tensor | None"], unpatched: Sequence["torch.Tensor | None"],
+                group: Any = None) -> float:
+    """The noise floor: :func:`rel_l2` of an equivalent unpatched computation's gradient (the
+    same rows re-batched or in another order) against the unpatched one, the maximum over
+    ``group``'s ranks, so that every rank holds the comparison to the same tolerance."""
+    return agree({"noise_floor": rel_l2(repeated, unpatched)}, group)["noise_floor"]
 
 
 def check(framework: str, optimizations: Sequence[str], step: int, quantity: str, measured: float,
@@ -200,8 +216,8 @@ def compare_gradients(framework: str, optimizations: Sequence[str], step: int, p
     loss_u = unpatched()
     grads_u = grads_of(loss_u, params)
     floor = None
-    if repeat is not None and _half_eps(dtype) is not None:
-        floor = rel_l2(grads_of(repeat(), params), grads_u)
+    if repeat is not None and needs_noise_floor(framework, dtype):
+        floor = noise_floor(grads_of(repeat(), params), grads_u, group)
     verdict = judge_gradients(framework, optimizations, step, grads_p, grads_u, dtype=dtype, noise_floor=floor,
                               group=group, detail=detail)
     if verdict.ok:

@@ -53,7 +53,7 @@ from .row_subsets import is_multimodal
 from .verify_trace import Trace
 
 #: The half-precision noise floor of the gradient comparison, logged next to it.
-NOISE_METRIC = verify.METRIC_PREFIX + "grad_noise_floor"
+NOISE_METRIC = verify.NOISE_METRIC
 
 
 def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

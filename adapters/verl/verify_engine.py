@@ -17,7 +17,9 @@ the steps :func:`grpo_patches.verify.due` picks runs :class:`EngineStep`:
    Its loss is also computed without the KL term on the same forward:
    ``grpo_patches/verify/reference_loss_abs_diff``;
 4. the mini-batch's gradient, patched vs verl's (``.grad`` as each run's own backward left it,
-   FSDP's reduce-scatter included): ``grpo_patches/verify/grad_rel_diff`` (relative L2).
+   FSDP's reduce-scatter included): ``grpo_patches/verify/grad_rel_diff`` (relative L2). In
+   bf16 / fp16 verl's computation runs once more, re-batched, for the noise floor the tolerance
+   is 10 times of (``grpo_patches/verify/grad_noise_floor``, :func:`grpo_patches.verify.tolerance`).
 
 The step then leaves ``.grad``, the random state, the savings totals and the output (verl's
 metrics) as the chosen computation left them, plus the figures in verl's metrics (one value
@@ -132,6 +134,8 @@ class EngineStep:
         with bypass.unpatched():
             out_u = self.wrapped(upstream, loss_function, False)
         grads_u, rng_u = shared.grads(self.params), core.rng_state()
+        floor = self._noise_floor(upstream, grads_u, start_grads, start_rng) \
+            if core.needs_noise_floor(FRAMEWORK, self.dtype) else None
 
         verdicts = []  # (verdict, the options it covers)
         if self.substituted:
@@ -149,7 +153,7 @@ class EngineStep:
             verdicts.append((verdict, ["logprob_skip"]))
         grad_names = names + (["logprob_skip"] if self.substituted or self.reference_skipped else [])
         verdicts.append(self._check(grad_names, "grad_rel_diff", core.rel_l2(grads_p, grads_u),
-                                    "the mini-batch's gradient against verl's unpatched update"))
+                                    "the mini-batch's gradient against verl's unpatched update", floor))
         if all(v.ok for v, _ in verdicts):
             shared.set_grads(self.params, grads_p)
             core.set_rng_state(rng_p)
@@ -161,8 +165,26 @@ class EngineStep:
         shared.forget_decisions(self.engine)
         return self._finish(out_u, sorted({n for v, names in verdicts if not v.ok for n in names}))
 
-    def _check(self, names: list[str], quantity: str, measured: float, detail: str) -> tuple:
-        limit = core.tolerance(FRAMEWORK, self.dtype)
+    def _noise_floor(self, upstream: Any, grads_u: list, start_grads: list, start_rng: Any) -> float:
+        """Half precision: verl's unpatched computation again, re-batched (one row per
+        micro-batch: the engine normalises the loss by the global batch, so only the rounding
+        changes), against the first one. The caller then sets ``.grad`` and the random state."""
+        from verl.utils import tensordict_utils as tu
+
+        again = upstream.copy()
+        tu.assign_non_tensor(again, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+        shared.set_grads(self.params, shared.copies(start_grads))
+        core.set_rng_state(start_rng)
+        loss_function = self._loss_with_and_without_kl([]) if self.reference_skipped else self.loss_function
+        with bypass.unpatched():
+            self.wrapped(again, loss_function, False)
+        floor = core.noise_floor(shared.grads(self.params), grads_u, self.group)
+        self.figures[core.NOISE_METRIC] = floor
+        return floor
+
+    def _check(self, names: list[str], quantity: str, measured: float, detail: str,
+               floor: float | None = None) -> tuple:
+        limit = core.tolerance(FRAMEWORK, self.dtype, floor)
         verdict = core.check(FRAMEWORK, names, self.step, quantity, measured, limit, group=self.group, detail=detail)
         self.figures.update(verdict.metrics)
         return verdict, names

@@ -15,6 +15,13 @@ is due (:func:`grpo_patches.verify.due`, steps counted 0-based per actor):
    raises before that step's update; ``"disable"`` stops the patched update and leaves the
    actor as verl's own update left it (its metrics too), the options switched off.
 
+In bf16 / fp16 the tolerance is 10 x the dtype's epsilon (:func:`grpo_patches.verify.tolerance`
+without a floor), not a measured noise floor: this actor's loss is a token mean per micro-batch
+scaled by ``1/gradient_accumulation``, so verl has no re-batched computation of the same
+gradient, and one that keeps every micro-batch (rows reversed within each) rounds alike: on the
+tiny model in bf16 its floor was ~0 while the filter's legitimate re-packing differed by 3.2e-3,
+so 10 x that floor would flag correct code.
+
 A skipped old-logprob pass (0.7) needs no comparison of its own here: verl's legacy actor
 ignores old log-probs on the one-mini-batch, one-epoch updates the skip is limited to
 (``old_log_prob = log_prob.detach()``), so the loss uses the same values patched or not; the
