@@ -23,6 +23,10 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
    loss with other values there (:func:`measure_reference`), ``grpo_patches/verify/reference_loss_max_abs_diff``
    (a difference cannot be undone: no reference model was built; ``"disable"`` raises too);
    filter / tiled loss: the step's gradient, relative L2, ``grpo_patches/verify/grad_rel_diff``
+   (in bf16 / fp16 held to 10 x the dtype's epsilon, not to a measured noise floor: NeMo-RL's
+   own computation re-batched, one row per micro-batch, was bitwise its first run on the tiny
+   Qwen2 in bf16 while the filter's correct path differed by 1.9e-3, so 10 x that floor would
+   flag correct code)
    (:func:`grpo_patches.verify.judge_gradients`; not compared when the first check failed: the
    unpatched result is used then anyway, and the difference would be blamed on them);
 4. leaves ``.grad`` holding exactly the chosen gradient, the random state and NeMo-RL's

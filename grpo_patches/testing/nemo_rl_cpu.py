@@ -130,15 +130,17 @@ def tiny_qwen2(tied: bool = False, seed: int = 0) -> Any:
 
 
 def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, temperature: float | None = None,
-                tied: bool = False, fsdp: bool = False, dp: int = 1) -> Any:
-    """The real worker object with a fresh tiny Qwen2 (same seed every time)."""
+                tied: bool = False, fsdp: bool = False, dp: int = 1, dtype: Any = None) -> Any:
+    """The real worker object with a fresh tiny Qwen2 (same seed every time); ``dtype``: its
+    parameters and compute dtype (fp32 by default)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from grpo_patches.testing.nemo_rl_tags import worker_class
 
     init_gloo()
-    model = tiny_qwen2(tied=tied)
+    dtype = dtype or torch.float32
+    model = tiny_qwen2(tied=tied).to(dtype)
     mesh = init_device_mesh("cpu", (dp, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -157,7 +159,7 @@ def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, tem
     worker.dp_mesh, worker.cp_mesh, worker.tp_mesh = mesh["dp"], mesh["cp"], mesh["tp"]
     worker.dp_size, worker.cp_size, worker.tp_size = dp, 1, 1
     worker.moe_mesh = None
-    worker.dtype = torch.float32
+    worker.dtype = dtype
     worker.autocast_enabled = False
     worker.allow_flash_attn_args = False
     worker._is_reward_model = False

@@ -51,6 +51,11 @@ def test_verify_under_fsdp2_with_the_tiled_loss(record_property):
 
 
 @needs_new
+def test_bf16_verify_passes_and_catches_a_faulty_filter(record_property):
+    cases.bf16_verify_passes_and_catches_a_faulty_filter(TAG, harness.real_worker, record_property)
+
+
+@needs_new
 def test_a_faulty_filter_is_caught_on_the_first_verify_step():
     cases.faulty_filter_raises(TAG, harness.real_worker)
 

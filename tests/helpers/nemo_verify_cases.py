@@ -9,6 +9,7 @@ on the first verify step (``"raise"``) or switched off with the run ending as un
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import pytest
@@ -81,6 +82,25 @@ def verify_passes_and_leaves_no_trace(tag: str, factory: Factory, record_propert
     every_other = train(tag, factory, batch, {**options, "verify_every": 2}, gbs=6, mbs=2)
     assert every_other.status["verify"]["steps_verified"] == 1  # steps 0, 2, ...: the second is not
     assert every_other.rows_forwarded == plain.rows_forwarded + 6
+
+
+def bf16_verify_passes_and_catches_a_faulty_filter(tag: str, factory: Factory, record_property: Callable) -> None:
+    """bf16: correct code passes (held to 10 x the dtype's epsilon: no noise floor is measured
+    here, :mod:`grpo_patches.adapters.nemo_rl.verify`) and a faulty filter is still caught."""
+    from grpo_patches import verify
+
+    half = functools.partial(factory, dtype=torch.bfloat16)
+    batch = on_policy_batch(tag, half)
+    got = train(tag, half, batch, {"zero_advantage_filter": True, "verify_every": 1}, gbs=6, mbs=2)
+    diff = got.metrics[PREFIX + "grad_rel_diff"][0]
+    record_property("bf16_verify_grad_rel_diff", diff)
+    assert 0.0 < diff <= verify.tolerance("nemo_rl", torch.bfloat16) and verify.NOISE_METRIC not in got.metrics
+    assert got.status["verify"]["failures"] == []
+    with pytest.raises(ExactnessError) as caught:
+        train(tag, half, batch, {"zero_advantage_filter": True, "verify_every": 1}, gbs=6, mbs=2,
+              plugins=(DropsANonZeroRow(),))
+    record_property("bf16_verify_faulty_grad_rel_diff", caught.value.measured)
+    assert caught.value.measured > caught.value.tolerance
 
 
 def faulty_filter_raises(tag: str, factory: Factory) -> None:
