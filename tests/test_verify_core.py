@@ -103,7 +103,7 @@ def test_tolerance_fp32_fixed_half_from_the_noise_floor_user_value_wins(fakefw):
     assert verify.tolerance("fakefw", torch.bfloat16, noise_floor=1e-3) == pytest.approx(1e-2)
     assert verify.tolerance("fakefw", "float16", noise_floor=1e-3) == pytest.approx(1e-2)
     # a re-batched repeat that happened to be bitwise equal does not make the tolerance 0
-    assert verify.tolerance("fakefw", torch.bfloat16, noise_floor=0.0) == pytest.approx(10 * 0.01 * 2 ** -7)
+    assert verify.tolerance("fakefw", torch.bfloat16, noise_floor=0.0) == pytest.approx(10 * 0.1 * 2 ** -7)
     assert verify.tolerance("fakefw", torch.bfloat16) == pytest.approx(10 * 2 ** -7)  # no floor measured
     grpo_patches.enable("fakefw", verify_every=1, verify_tolerance=3e-4)
     assert verify.tolerance("fakefw", torch.bfloat16, noise_floor=1e-3) == 3e-4

@@ -150,7 +150,8 @@ class TrainCall:
     :ivar unpatched: verify mode runs NeMo-RL's unpatched computation (:func:`active_train` is
         ``None`` meanwhile: every worker wrapper passes through).
     :ivar remake: verify mode: NeMo-RL's ``get_microbatch_iterator`` of the global batch being
-        trained, called again (:mod:`.verify`).
+        trained, called again (:mod:`.verify`); ``rebatch``: the same, one row per micro-batch
+        (``None`` with sequence packing).
     :ivar prev_diff: verify mode: the largest ``|current - prev|`` the loss calls saw (``None``:
         not measured on this global batch).
     :ivar reference_diff: verify mode: the largest difference of the loss with and without the
@@ -171,6 +172,7 @@ class TrainCall:
     microbatches_dropped: int = 0
     unpatched: bool = False
     remake: Any = None
+    rebatch: Any = None
     prev_diff: float | None = None
     reference_diff: float | None = None
     figures: dict[str, float] = field(default_factory=dict)

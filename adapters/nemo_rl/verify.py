@@ -23,10 +23,10 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
    loss with other values there (:func:`measure_reference`), ``grpo_patches/verify/reference_loss_max_abs_diff``
    (a difference cannot be undone: no reference model was built; ``"disable"`` raises too);
    filter / tiled loss: the step's gradient, relative L2, ``grpo_patches/verify/grad_rel_diff``
-   (in bf16 / fp16 held to 10 x the dtype's epsilon, not to a measured noise floor: NeMo-RL's
-   own computation re-batched, one row per micro-batch, was bitwise its first run on the tiny
-   Qwen2 in bf16 while the filter's correct path differed by 1.9e-3, so 10 x that floor would
-   flag correct code)
+   (in bf16 / fp16 held to 10 x the noise floor: NeMo-RL's unpatched computation once more,
+   one row per micro-batch, ``grpo_patches/verify/grad_noise_floor``, never taken below a tenth
+   of the epsilon, :func:`grpo_patches.verify.tolerance`; with sequence packing, whose forward
+   the layout changes, the epsilon stands in)
    (:func:`grpo_patches.verify.judge_gradients`; not compared when the first check failed: the
    unpatched result is used then anyway, and the difference would be blamed on them);
 4. leaves ``.grad`` holding exactly the chosen gradient, the random state and NeMo-RL's
@@ -68,7 +68,19 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     train = active_train()
     if train is not None:
         train.remake = lambda: wrapped(*args, **kwargs)
+        call = arguments(wrapped, args, kwargs)
+        packed = call["cfg"].get("sequence_packing", {}).get("enabled", False)
+        train.rebatch = None if packed else (lambda: wrapped(**_one_row_each(call)))
     return wrapped(*args, **kwargs)
+
+
+def _one_row_each(call: dict[str, Any]) -> dict[str, Any]:
+    """``get_microbatch_iterator``'s arguments for the same global batch, one row per
+    micro-batch (static): NeMo-RL's loss normalises by the global batch's valid tokens and
+    sequences, so only the rounding changes (the noise floor's repeat)."""
+    cfg = dict(call["cfg"])
+    cfg["dynamic_batching"] = {**cfg.get("dynamic_batching", {}), "enabled": False}
+    return {**call, "cfg": cfg, "mbs": 1}
 
 
 def forward_backward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -184,14 +196,15 @@ class GlobalBatchCheck:
             self.reference_measured, self.train.reference_diff = self.train.reference_diff, None
         return results, _take_grads(self.params), verify.rng_state()
 
-    def unpatched(self, start: Any) -> tuple[Any, list, Any]:
+    def unpatched(self, start: Any, remake: Callable[[], Any] | None = None) -> tuple[Any, list, Any]:
         verify.set_rng_state(start)
         with unpatched(self.train):
-            iterator, length = self.train.remake()
+            iterator, length = (remake or self.train.remake)()
             call = {**self.call, "data_iterator": iterator}
             if "num_valid_microbatches" in call:
                 call["num_valid_microbatches"] = length
-            self.plain_valid = length
+            if remake is None:
+                self.plain_valid = length
             results = self.wrapped(**call)
         return results, _take_grads(self.params), verify.rng_state()
 
@@ -200,7 +213,11 @@ class GlobalBatchCheck:
         start = verify.rng_state()
         patched = self.patched()
         plain = self.unpatched(start)
-        failed = self.compare(patched[1], plain[1])
+        floor = None
+        if self.names and self.train.rebatch is not None and verify.needs_noise_floor(FRAMEWORK, self.dtype):
+            floor = verify.noise_floor(self.unpatched(start, self.train.rebatch)[1], plain[1], self.group)
+            self.train.figures[verify.NOISE_METRIC] = max(self.train.figures.get(verify.NOISE_METRIC, floor), floor)
+        failed = self.compare(patched[1], plain[1], floor)
         results, grads, end = plain if failed else patched
         if failed:
             self.unsave()
@@ -210,7 +227,7 @@ class GlobalBatchCheck:
         verify.set_rng_state(end)
         return results
 
-    def compare(self, patched_grads: list, plain_grads: list) -> list[str]:
+    def compare(self, patched_grads: list, plain_grads: list, floor: float | None = None) -> list[str]:
         """The checks, in the same order on every rank; the options a ``"disable"`` verdict switched off."""
         failed: list[str] = []
         if self.prev:
@@ -233,7 +250,7 @@ class GlobalBatchCheck:
                         failed)
         if self.names and not failed:
             verdict = verify.judge_gradients(FRAMEWORK, self.names, self.step, patched_grads, plain_grads,
-                                             dtype=self.dtype, group=self.group,
+                                             dtype=self.dtype, noise_floor=floor, group=self.group,
                                              detail="the optimizer step's gradient against NeMo-RL's unpatched one")
             self.record(verdict, self.names, failed)
         return failed

@@ -51,8 +51,8 @@ def test_verify_under_fsdp2_with_the_tiled_loss(record_property):
 
 
 @needs_new
-def test_bf16_verify_passes_and_catches_a_faulty_filter(record_property):
-    cases.bf16_verify_passes_and_catches_a_faulty_filter(TAG, harness.real_worker, record_property)
+def test_bf16_is_held_to_the_measured_noise_floor(record_property):
+    cases.bf16_is_held_to_the_noise_floor(TAG, harness.real_worker, record_property)
 
 
 @needs_new
