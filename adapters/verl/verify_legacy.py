@@ -19,8 +19,11 @@ In bf16 / fp16 the tolerance is 10 x the dtype's epsilon (:func:`grpo_patches.ve
 without a floor), not a measured noise floor: this actor's loss is a token mean per micro-batch
 scaled by ``1/gradient_accumulation``, so verl has no re-batched computation of the same
 gradient, and one that keeps every micro-batch (rows reversed within each) rounds alike: on the
-tiny model in bf16 its floor was ~0 while the filter's legitimate re-packing differed by 3.2e-3,
-so 10 x that floor would flag correct code.
+tiny model in bf16 its floor was ~0 while the filter's legitimate re-packing (each kept row
+weighted by its original micro-batch's ``1/(M·D_m)``) differed by 3.2e-3 and 6.0e-3 on its two
+optimizer steps, close to even the floor's lower bound (a tenth of the epsilon: 7.8e-3).
+Reversing the micro-batches too is no repeat: verl splits the reversed rows into other
+micro-batches when the last one is short (measured: 0.55 in fp32).
 
 A skipped old-logprob pass (0.7) needs no comparison of its own here: verl's legacy actor
 ignores old log-probs on the one-mini-batch, one-epoch updates the skip is limited to

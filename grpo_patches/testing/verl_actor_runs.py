@@ -222,14 +222,16 @@ def legacy_actor(model, *, agg="token-mean", dynamic=False, mini=ROWS, mbs=3, ep
 
 
 def legacy_run(options: dict | None, *, n_mini=1, zero="interleaved", rank=0, world=1, shard=False,
-               batch_extra: dict | None = None, model_seed: int = 0, fused: bool = False, **config) -> Run:
+               batch_extra: dict | None = None, model_seed: int = 0, fused: bool = False,
+               dtype: torch.dtype = torch.float32, **config) -> Run:
     """One ``update_policy`` on a fresh tiny model, patched with ``options`` (``None``: off).
-    ``fused``: verl's fused-kernel forward (``use_fused_kernels=True``)."""
+    ``fused``: verl's fused-kernel forward (``use_fused_kernels=True``); ``dtype``: the model's
+    parameters (and so its compute)."""
     from verl import DataProto
 
     patches(options)
     run = Run()
-    model = tiny_model(model_seed, fused=fused)
+    model = tiny_model(model_seed, fused=fused).to(dtype)
     if fused:
         config["use_fused_kernels"] = True
     if shard:
