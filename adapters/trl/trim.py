@@ -20,7 +20,8 @@ kept rows, the policy forward (:mod:`.policy_forward`) and the deferred old-logp
   (e.g. Qwen2-VL's multimodal RoPE, computed from the mask) keeps its leading columns.
 
 Multimodal micro-batches are never trimmed (their per-image inputs and positions are cut by
-TRL per row). The trimmed columns' outputs are filled back to TRL's width (:func:`widen`):
+TRL per row), nor the tiled loss's forward (:mod:`.tiled` computes from hidden states of its
+own call), nor the no-grad forward of dropped rows with ``dropped_rows_metrics=True``. The trimmed columns' outputs are filled back to TRL's width (:func:`widen`):
 log-probs with ``fill`` (the old log-probs there, so the ratio at those masked tokens is
 exactly 1 and no overflow can reach a loss), entropies with 0; both are masked out of every
 loss and metric. Saved work is counted as ``grpo_patches/padding_tokens_skipped`` (kept rows x
