@@ -13,15 +13,27 @@ def _pair(values: list[Any], fmt: str = "{}") -> str:
     return " → ".join(fmt.format(v) for v in values)
 
 
+def _counts(values: list[Any] | None) -> str:
+    """``off → on (ratio)`` of two counts; ``-`` where the runner does not count them."""
+    if not values or any(v is None for v in values):
+        return "-"
+    off, on = values
+    return f"{off} → {on}" + (f" ({on / off:.2f}×)" if off else "")
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}×"
 
 
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = ("| framework | trainer code | trainer side s/step off → on | ratio | CPU-s ratio | generation s/step | "
-            "old-logprob passes | reference passes | rows dropped | peak RSS MB | max abs Δ final weights |")
+            "old-logprob passes | reference passes | rows dropped | peak RSS MB | max abs Δ final weights | "
+            "old-logprob rows computed | policy tokens through the forward |")
     lines = [f"Measured {meta['date']}, {meta['rounds']} round(s), {meta['cpu_count']} CPU cores: {meta['workload']}.",
              f"Command: `{meta['command']}`."]
+    batches = meta.get("spec", {}).get("mini_batches", 1)
+    if batches > 1:
+        lines.append(f"{batches} mini-batches: a \"step\" below is one rollout batch ({batches} optimizer steps).")
     if meta.get("interpreters"):
         lines.append("Interpreters: " + "; ".join(meta["interpreters"].values()) + ".")
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
@@ -34,7 +46,8 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"| {name} {r['version']} | {r['line']} | {r['trainer_side_off_s']:.3f} → {r['trainer_side_on_s']:.3f} "
             f"| **{r['ratio']:.2f}×** | {_ratio(r.get('ratio_cpu'))} | {r['generation_s']:.3f} | {_pair(r['old_logprob_passes'])} "
             f"| {_pair(r['reference_passes'])} | {r['rows_dropped']} / {r['rows_total']} "
-            f"| {_pair(r['peak_rss_mb'], '{:.0f}')} | {r['max_weight_diff']:.1e} |")
+            f"| {_pair(r['peak_rss_mb'], '{:.0f}')} | {r['max_weight_diff']:.1e} "
+            f"| {_counts(r.get('old_logprob_rows'))} | {_counts(r.get('policy_tokens'))} |")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
     bash scripts/run frameworks                  # the newest installed version of each framework, 5 rounds
     bash scripts/run frameworks --quick          # smoke run: smaller model, fewer steps, 1 round
+    bash scripts/run frameworks --mini-batches 4 --variable-lengths   # 4 optimizer steps per rollout batch
     bash scripts/run frameworks --frameworks verl --python verl=compat/.nox/cpu-verl-0-7-1/bin/python
 
 (``python benchmarks/frameworks.py ...`` runs the same: started by a Python without the
@@ -14,7 +15,8 @@ framework off then on, round 2, ...) so a slow phase of this shared machine hits
 alike. Reported per framework: trainer-side seconds per optimizer step (generation excluded,
 reported apart; median over timed steps, then over rounds) and the patched/unpatched ratio of
 the same round (median), old-logprob and reference passes, rows dropped from the update, peak
-RSS, and the largest final-weight difference patched vs unpatched. ``--verify`` adds, for
+RSS, the largest final-weight difference patched vs unpatched, the rows the old-logprob passes
+computed and the tokens through the policy forward (off → on, where the runner counts them). ``--verify`` adds, for
 NeMo-RL, a patched run with ``verify_every=1`` to each round: the cost of a verify step against a
 normal patched step (trainer side, same round, median) and verify mode's largest figures. Writes ``frameworks.md``,
 ``frameworks.json`` and ``frameworks.png`` (one panel per metric) to ``--out-dir``.
@@ -39,7 +41,6 @@ import importlib.util
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ sys.path.insert(0, str(HERE))
 import _frameworks_report as report  # noqa: E402
 import _interpreters as interpreters  # noqa: E402
 import workload  # noqa: E402
+from _frameworks_summary import summarise  # noqa: E402,F401  (frameworks.summarise: the tests use it)
 
 #: Runners that take ``spec["verify_every"]`` (``--verify``; TRL's verify cost: ``trl_step.py --verify``).
 VERIFY_RUNNERS = ("nemo_rl",)
@@ -163,53 +165,6 @@ def weight_diff(a: Path, b: Path) -> float:
     return max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
 
 
-def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]],
-              verified: list[dict] | None = None) -> dict[str, Any]:
-    """One row per framework from its (off, on, weight diff) rounds (and ``--verify``'s runs, one a round)."""
-    ok = [(off, on, d) for off, on, d in runs if "error" not in off and "error" not in on]
-    skipped = next((r["not_run"] for pair in runs for r in pair[:2] if "not_run" in r), None)
-    if skipped:
-        return {"framework": name, "status": f"not run: {skipped}"}
-    if not ok:
-        errors = [r["error"] for pair in runs for r in pair[:2] if "error" in r]
-        return {"framework": name, "status": "failed: " + (errors[0] if errors else "no run")}
-
-    def per_step(run: dict, key: str) -> float:
-        return statistics.median(s[key] for s in run["steps"][spec["warmup"]:] or run["steps"])
-
-    off_last, on_last = ok[-1][0], ok[-1][1]
-    extra: dict[str, Any] = {}
-    pairs = [(on, v) for (off, on, _), v in zip(runs, verified or []) if "error" not in on and "error" not in v
-             and "not_run" not in v]
-    if pairs:  # a verify step against a normal patched one of the same round
-        extra = {"verify_ratio": statistics.median(per_step(v, "trainer_side") / per_step(on, "trainer_side")
-                                                   for on, v in pairs),
-                 "verify_ratio_cpu": (statistics.median(per_step(v, "cpu_trainer_side") / per_step(on, "cpu_trainer_side")
-                                                        for on, v in pairs) if "cpu_trainer_side" in on_last["steps"][0]
-                                      else None),
-                 "verify_figures": {k: max(v.get("verify_figures", {}).get(k, 0.0) for _, v in pairs)
-                                    for k in sorted({k for _, v in pairs for k in v.get("verify_figures", {})})}}
-    elif verified:
-        extra = {"verify_ratio": None, "verify_error": next((v.get("error") for v in verified if "error" in v), None)}
-    return {**extra,
-        "framework": name, "status": "ok", "version": off_last["version"], "line": off_last["line"],
-        "trainer_side_off_s": statistics.median(per_step(off, "trainer_side") for off, _, _ in ok),
-        "trainer_side_on_s": statistics.median(per_step(on, "trainer_side") for _, on, _ in ok),
-        "ratio": statistics.median(per_step(on, "trainer_side") / per_step(off, "trainer_side") for off, on, _ in ok),
-        "ratio_cpu": (statistics.median(per_step(on, "cpu_trainer_side") / per_step(off, "cpu_trainer_side")
-                                        for off, on, _ in ok) if "cpu_trainer_side" in off_last["steps"][0] else None),
-        "generation_s": statistics.median(per_step(r, "generation") for pair in ok for r in pair[:2]),
-        "old_logprob_passes": [off_last["old_logprob_passes"], on_last["old_logprob_passes"]],
-        "reference_passes": [off_last["reference_passes"], on_last["reference_passes"]],
-        "rows_dropped": on_last["rows_dropped"], "rows_total": on_last["rows_total"],
-        "peak_rss_mb": [statistics.median(off["peak_rss_mb"] for off, _, _ in ok),
-                        statistics.median(on["peak_rss_mb"] for _, on, _ in ok)],
-        "max_weight_diff": max(d for _, _, d in ok if d is not None),
-        "rounds": len(ok),
-        "trainer_side_all_s": [[per_step(off, "trainer_side"), per_step(on, "trainer_side")] for off, on, _ in ok],
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bash scripts/run frameworks", description=__doc__.split("\n")[0] + (
         " Each framework runs in the interpreter holding the newest version its adapter supports and its runner "
@@ -225,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"optimizer steps per run, the first {workload.SPEC['warmup']} untimed "
                         f"(default: {workload.SPEC['steps']})")
     p.add_argument("--quick", action="store_true", help="smoke run: smaller model, fewer steps, 1 round")
+    p.add_argument("--mini-batches", type=int, default=workload.SPEC["mini_batches"], metavar="N",
+                   help="optimizer steps per rollout batch (TRL: steps_per_generation / gradient_accumulation_steps; "
+                        "verl: ppo_mini_batch_size = batch / N; NeMo-RL: train_global_batch_size = rollout / N); "
+                        f"--steps then counts rollout batches (default: {workload.SPEC['mini_batches']})")
+    p.add_argument("--variable-lengths", action="store_true",
+                   help="prompts of 2-8 words and a tiny model that ends completions early (varied lengths: "
+                        "padding for the kept rows to skip; default: 4-word prompts, completions mostly full length)")
     p.add_argument("--timeout", type=int, default=DEFAULTS["timeout"],
                    help=f"seconds per run before it counts as failed (default: {DEFAULTS['timeout']})")
     p.add_argument("--out-dir", type=Path, default=DEFAULTS["out_dir"],
@@ -240,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = {**workload.SPEC, **(workload.QUICK if args.quick else {})}
     if args.steps != workload.SPEC["steps"]:
         spec["steps"] = args.steps
+    if args.mini_batches < 1 or spec["prompts"] % args.mini_batches:
+        p.error(f"--mini-batches {args.mini_batches}: must divide the {spec['prompts']} prompts of a rollout batch")
+    spec.update(mini_batches=args.mini_batches, variable_lengths=args.variable_lengths)
     rounds = 1 if args.quick else args.rounds
     pythons = {name: find_python(name, given, args.nemo_rl_tag) for name in args.frameworks}
     for name, (python, origin) in pythons.items():

@@ -23,7 +23,11 @@ in ``grpo_train``: ``state.ACTIVE_LOOP``). Generation is HF ``generate`` from th
 apart; ``generation_logprobs`` are zeros (vLLM's; no gradient reads them here). Reported
 besides the passes: ``logprob_pass_forwards``, the model forwards the log-prob passes ran (0
 when both are skipped); with ``spec["verify_every"]`` (``frameworks.py --verify``) patched runs
-turn verify mode on and report its largest figures (``verify_figures``). Called by ``_framework_worker.py``; the source comes on
+turn verify mode on and report its largest figures (``verify_figures``). ``spec["mini_batches"]`` = N
+sets ``train_global_batch_size`` to 1/N of the rollout; the old-logprob rows are the rows of the
+passes run less ``grpo_patches/old_logprob_rows_skipped`` in NeMo-RL's metrics (absent = 0).
+``variable_lengths`` boosts the tiny model's ``<eos>`` (v0.6.0's HF generation; the entry
+point's stand-in generation keeps its own lengths). Called by ``_framework_worker.py``; the source comes on
 ``PYTHONPATH`` (``frameworks.py --nemo-rl-tag``); v0.5.0 is "not run".
 """
 
@@ -75,7 +79,8 @@ def _worker(tag: str, spec: dict[str, Any], reference: bool) -> Any:
 
     rows = spec["prompts"] * spec["generations"]
     worker = harness.real_worker(tag, rows, spec["micro_rows"])
-    worker.model = tiny_model.build_model(spec["seed"], spec["hidden"], spec["layers"]).float()
+    worker.model = tiny_model.build_model(spec["seed"], spec["hidden"], spec["layers"],
+                                          eos_boost=workload.eos_boost(spec)).float()
     worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=spec["lr"])
     worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, lambda step: 1.0)
     worker.reference_model_state_dict = ({k: v.detach().clone() for k, v in worker.model.state_dict().items()}
@@ -108,7 +113,7 @@ def _setup(tag: str, spec: dict[str, Any], patched: bool) -> tuple[Any, Any]:
     grpo = {"num_prompts_per_step": spec["prompts"], "num_generations_per_prompt": spec["generations"]}
     if not old:
         grpo["skip_reference_policy_logprobs_calculation"] = True  # v0.7.0+ setup: KL 0 -> no reference model
-    config = master_config(tag, grpo=grpo, policy={"train_global_batch_size": rows,
+    config = master_config(tag, grpo=grpo, policy={"train_global_batch_size": rows // spec.get("mini_batches", 1),
                                                    "train_micro_batch_size": spec["micro_rows"],
                                                    "logprob_batch_size": spec["micro_rows"]})
     policy = object.__new__(Policy)
@@ -197,6 +202,8 @@ def _step(tag: str, policy: Any, loss_fn: Any, config: Any, data: Any, rewards: 
 VERIFY_PREFIX = "grpo_patches/verify/"
 
 #: NeMo-RL's own timers (``timing/train/<name>``, seconds per step) that make up the trainer side.
+#: The adapter's count of old-logprob rows not computed, in NeMo-RL's metrics.
+ROWS_SKIPPED = "grpo_patches/old_logprob_rows_skipped"
 TRAINER_SIDE = ("logprob_inference_prep", "policy_and_reference_logprobs", "training_prep", "policy_training")
 
 
@@ -231,7 +238,8 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
         e2e.worker_venv(venvs)
         with e2e.RayCluster() as cluster:
             options = f"verify_every={spec['verify_every']}" if spec.get("verify_every") else ""
-            result = e2e.run_grpo(e2e.source_root(), root / "run", cluster, venvs, files, shape.rows,
+            result = e2e.run_grpo(e2e.source_root(), root / "run", cluster, venvs, files,
+                                  shape.rows // spec.get("mini_batches", 1),
                                   options if patched else None, shape=shape, timeout=1500, threads=spec["threads"],
                                   save_calls=(0, shape.steps))
         if result.returncode != 0:
@@ -248,6 +256,9 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
                 "reference_passes": max((len(result.scalars[k]) for k in reference), default=0),
                 "rows_dropped": int(sum(result.step_values("train/grpo_patches/rows_dropped"))),
                 "rows_total": shape.rows * shape.steps, "peak_rss_mb": result.worker[-1]["peak_rss_mb"],
+                "old_logprob_rows": shape.rows * len(prev_pass),
+                "old_logprob_rows_skipped": int(sum(sum(result.step_values(k)) for k in result.scalars
+                                                    if k.endswith(ROWS_SKIPPED))),
                 "verify_figures": {k.split("/", 1)[1]: max(result.step_values(k)) for k in result.scalars
                                    if k.startswith("train/" + VERIFY_PREFIX)}}
     finally:
@@ -278,10 +289,10 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     config, policy = _setup(tag, spec, patched)
     loss_fn, group = make_loss(tag), policy.worker_group
     model, tokenizer = group.worker.model, tiny_model.build_tokenizer()
-    steps, dropped, total, figures = [], 0, 0, {}
+    steps, dropped, total, figures, skipped = [], 0, 0, {}, 0
 
     def loop(policy: Any, loss_fn: Any, master_config: Any) -> None:  # grpo_train's signature, as far as read
-        nonlocal dropped, total
+        nonlocal dropped, total, skipped
         for step in range(spec["steps"]):
             start = time.perf_counter()
             data, rewards, prompt_ids = _rollouts(model, tokenizer, spec, step)
@@ -292,6 +303,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
                           "cpu_trainer_side": time.process_time() - cpu})
             total += int(data["input_ids"].shape[0])
             dropped += int(sum(float(v) for v in result["all_mb_metrics"].get("grpo_patches/rows_dropped", [0])))
+            skipped += int(sum(float(v) for v in result["all_mb_metrics"].get(ROWS_SKIPPED, [0])))
             for key, values in result["all_mb_metrics"].items():
                 if key.startswith(VERIFY_PREFIX):
                     figures[key] = max([figures.get(key, 0.0), *map(float, values)])
@@ -308,4 +320,6 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     return {"version": str(registry.get("nemo_rl").installed_version()), "line": f"{tag} DTensorPolicyWorkerV2",
             "steps": steps, "old_logprob_passes": passes["get_logprobs"],
             "reference_passes": passes["get_reference_policy_logprobs"], "logprob_pass_forwards": group.logprob_forwards,
-            "rows_dropped": dropped, "rows_total": total, "verify_figures": figures}
+            "rows_dropped": dropped, "rows_total": total, "verify_figures": figures,
+            "old_logprob_rows": passes["get_logprobs"] * spec["prompts"] * spec["generations"],
+            "old_logprob_rows_skipped": skipped}

@@ -6,7 +6,11 @@ worker groups call a real ``DataParallelPPOActor`` (policy) and a second one (re
 this process, as ``fit()`` does per step. Generation is HF ``generate`` from the policy,
 timed apart. The GRPO config is verl's example one with the KL loss on at coefficient 0
 (``use_kl_loss=True, kl_loss_coef=0``: verl still builds and runs the reference) and one
-mini-batch, one epoch (verl computes old log-probs it then ignores). Called by
+mini-batch, one epoch (verl computes old log-probs it then ignores); ``spec["mini_batches"]``
+= N sets ``ppo_mini_batch_size`` to 1/N of the batch (N optimizer steps per rollout batch).
+Rows handed to the old-logprob pass are counted by the worker group; the rows whose pass the
+patches skipped are read from verl's metrics (``grpo_patches/old_logprob_rows_skipped``, absent
+= 0). With ``variable_lengths`` the policy is the tiny model with a boosted ``<eos>``. Called by
 ``_framework_worker.py``.
 """
 
@@ -25,12 +29,13 @@ class _Group:
     world_size = 1
 
     def __init__(self, actor: Any, micro: int) -> None:
-        self.actor, self.micro, self.calls = actor, micro, 0
+        self.actor, self.micro, self.calls, self.rows = actor, micro, 0, 0
 
     def _log_probs(self, data: Any, key: str, entropy: bool) -> Any:
         from verl import DataProto
 
         self.calls += 1
+        self.rows += len(data)
         data.meta_info.update(micro_batch_size=self.micro, max_token_len=4096, use_dynamic_bsz=False, temperature=1.0)
         out = self.actor.compute_log_prob(data, calculate_entropy=entropy)
         log_probs, entropys = (out["log_probs"], out.get("entropys")) if isinstance(out, dict) else out
@@ -47,8 +52,9 @@ class _Group:
 def _config(spec: dict[str, Any]) -> Any:
     from omegaconf import OmegaConf
 
+    mini = spec["prompts"] // spec.get("mini_batches", 1)  # verl counts prompts here (x rollout.n rows)
     return OmegaConf.create({
-        "actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_coef": 0.0, "ppo_mini_batch_size": spec["prompts"],
+        "actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_coef": 0.0, "ppo_mini_batch_size": mini,
                                         "ppo_epochs": 1, "loss_agg_mode": "token-mean", "loss_scale_factor": None},
                               "rollout": {"n": spec["generations"]}},
         "algorithm": {"use_kl_in_reward": False, "kl_ctrl": {"type": "fixed", "kl_coef": 0.0}, "adv_estimator": "grpo",
@@ -62,7 +68,8 @@ def _actor(model: Any, spec: dict[str, Any]) -> Any:
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
 
     rows = spec["prompts"] * spec["generations"]
-    config = FSDPActorConfig(strategy="fsdp", rollout_n=spec["generations"], ppo_mini_batch_size=rows,
+    config = FSDPActorConfig(strategy="fsdp", rollout_n=spec["generations"],
+                             ppo_mini_batch_size=rows // spec.get("mini_batches", 1),
                              ppo_micro_batch_size_per_gpu=spec["micro_rows"], ppo_epochs=1, loss_agg_mode="token-mean",
                              use_kl_loss=True, kl_loss_coef=0.0, use_torch_compile=False,
                              fsdp_config=FSDPEngineConfig(dtype="float32"))
@@ -121,8 +128,9 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     from verl.trainer.ppo import ray_trainer
     from verl.trainer.ppo.utils import need_reference_policy
 
-    model = tiny_model.build_model(spec["seed"], spec["hidden"], spec["layers"]).float()
-    reference = tiny_model.build_model(spec["seed"], spec["hidden"], spec["layers"]).float()
+    model = tiny_model.build_model(spec["seed"], spec["hidden"], spec["layers"], eos_boost=workload.eos_boost(spec)).float()
+    reference = tiny_model.build_model(spec["seed"], spec["hidden"], spec["layers"],
+                                       eos_boost=workload.eos_boost(spec)).float()
     tokenizer = tiny_model.build_tokenizer()
     actor = _actor(model, spec)
     trainer = object.__new__(ray_trainer.RayPPOTrainer)  # no Ray: fit()'s per-step methods on this process
@@ -131,7 +139,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     trainer.actor_rollout_wg = _Group(actor, spec["micro_rows"])
     trainer.ref_policy_wg = _Group(_actor(reference, spec), spec["micro_rows"])
     trainer.use_reference_policy = need_reference_policy(trainer.config)  # as __init__ decides
-    steps, dropped, total = [], 0, 0
+    steps, dropped, total, skipped = [], 0, 0, 0
     for step in range(spec["steps"]):
         start = time.perf_counter()
         batch = _rollouts(model, tokenizer, spec, step)
@@ -149,10 +157,12 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
                       "cpu_trainer_side": time.process_time() - cpu})  # CPU s: steadier on a shared host
         total += len(batch)
         dropped += int(sum(_as_list(metrics.get("grpo_patches/rows_dropped", 0))))
+        skipped += int(sum(_as_list(metrics.get("grpo_patches/old_logprob_rows_skipped", 0))))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, weights)
     return {"version": version, "line": "legacy DataParallelPPOActor", "steps": steps,
             "old_logprob_passes": trainer.actor_rollout_wg.calls, "reference_passes": trainer.ref_policy_wg.calls,
-            "rows_dropped": dropped, "rows_total": total}
+            "rows_dropped": dropped, "rows_total": total,
+            "old_logprob_rows": trainer.actor_rollout_wg.rows, "old_logprob_rows_skipped": skipped}
 
 
 def _as_list(value: Any) -> list[float]:

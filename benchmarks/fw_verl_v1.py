@@ -14,7 +14,10 @@ prompts' groups get a constant reward).
 Measured from verl's own timing metrics per step: the trainer side is ``old_log_prob + ref +
 adv + update_actor`` (the stages the patches touch), generation is ``gen``; the old-logprob and
 reference passes are counted from verl's metrics (``grpo_patches/old_logprob_passes_skipped``,
-a ``timing_s/ref`` entry), the peak RSS is the training worker's. No CPU seconds: the stages
+a ``timing_s/ref`` entry), and the old-logprob rows as the rows of the passes run less
+``grpo_patches/old_logprob_rows_skipped``; ``spec["mini_batches"]`` is ``e2e.train``'s
+``mini_batches`` (its completions are the stand-in rollout's: ``variable_lengths`` changes only
+the prompts). The peak RSS is the training worker's. No CPU seconds: the stages
 run in other processes. Called by ``_framework_worker.py``.
 """
 
@@ -64,7 +67,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
         assets = e2e.build_assets(Path(tmp, "assets"), load, prompts=prompts, ground_truths=truths)
         cluster = e2e.RayCluster()
         try:
-            result = e2e.train(assets, cluster, Path(tmp, "run"), v1=True, mini_batches=1,
+            result = e2e.train(assets, cluster, Path(tmp, "run"), v1=True, mini_batches=spec.get("mini_batches", 1),
                                patches={} if patched else None, workload=load)
         finally:
             cluster.stop()
@@ -72,9 +75,13 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     steps = [{"generation": m.get("timing_s/gen", 0.0), "trainer_side": sum(m.get(k, 0.0) for k in TRAINER_SIDE)}
              for m in result.metrics]
     skipped = sum(int(m.get("grpo_patches/old_logprob_passes_skipped", 0)) for m in result.metrics)
+    rows_skipped = sum(int(v) for m in result.metrics for k, v in m.items()
+                       if k.endswith("grpo_patches/old_logprob_rows_skipped"))
     return {"version": version, "line": "V1 trainer (main_ppo, engine workers)", "steps": steps,
             "old_logprob_passes": len(result.metrics) - skipped,
             "reference_passes": sum("timing_s/ref" in m for m in result.metrics),
             "rows_dropped": int(sum(m.get("actor/grpo_patches/rows_dropped", 0) for m in result.metrics)),
             "rows_total": spec["prompts"] * spec["generations"] * len(result.metrics),
+            "old_logprob_rows": (len(result.metrics) - skipped) * spec["prompts"] * spec["generations"],
+            "old_logprob_rows_skipped": rows_skipped,
             "peak_rss_mb": result.peak_rss_mb}

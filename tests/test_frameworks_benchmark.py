@@ -194,3 +194,41 @@ def test_the_main_ppo_runner_takes_the_newest_engine_line_verl_and_the_legacy_ru
     assert interpreters.choose("verl_v1", pool, registry.get("verl").supported)[0].python == "b"
     assert interpreters.choose("verl", pool, registry.get("verl").supported)[0].python == "a"
     assert interpreters.choose("verl_v1", pool[:1], registry.get("verl").supported)[0] is None
+
+
+def test_old_logprob_rows_and_policy_tokens_become_off_on_columns():
+    off = {**_run([1.0, 2.0]), "old_logprob_rows": 256, "policy_tokens": 9000}
+    on = {**_run([1.0, 1.0]), "old_logprob_rows": 256, "old_logprob_rows_skipped": 208, "policy_tokens": 2000}
+    trl_on = {**on, "old_logprob_rows": 64, "old_logprob_rows_net": True}  # counted beneath the patches: net
+    row = frameworks.summarise("verl", {**SPEC, "mini_batches": 4}, [(off, on, 0.0)])
+    assert row["old_logprob_rows"] == [256, 48] and row["policy_tokens"] == [9000, 2000] and row["mini_batches"] == 4
+    assert frameworks.summarise("trl", SPEC, [(off, trl_on, 0.0)])["old_logprob_rows"] == [256, 64]
+    absent = frameworks.summarise("nemo_rl", SPEC, [(_run([1.0, 2.0]), _run([1.0, 1.0]), 0.0)])
+    meta = {"date": "d", "rounds": 1, "cpu_count": 2, "workload": "w", "command": "c", "spec": {"mini_batches": 4}}
+    text = report.table(meta, [row, absent])
+    assert "| 256 → 48 (0.19×) | 9000 → 2000 (0.22×) |" in text and "| - | - |" in text
+    assert "one rollout batch (4 optimizer steps)" in text
+    assert len({line.count("|") for line in text.splitlines() if line.startswith("|")}) == 1
+
+
+def test_mini_batches_split_one_rollout_into_optimizer_steps():
+    import fw_trl
+
+    spec = {**SPEC, "mini_batches": 4}  # 64 rows, micro-batches of 16: one a step
+    assert fw_trl.schedule(spec) == {"max_steps": 4 * SPEC["steps"], "gradient_accumulation_steps": 1,
+                                     "steps_per_generation": 4}
+    assert fw_trl.schedule(SPEC)["gradient_accumulation_steps"] == fw_trl.schedule(SPEC)["steps_per_generation"] == 4
+    with pytest.raises(ValueError, match="--mini-batches 8"):
+        fw_trl.schedule({**SPEC, "mini_batches": 8})
+    steps = [{"trainer_side": float(i), "generation": 1.0} for i in range(8)]
+    assert [s["trainer_side"] for s in fw_trl.per_rollout(steps, 4)] == [6.0, 22.0]
+    with pytest.raises(SystemExit):
+        frameworks.main(["--mini-batches", "3", "--frameworks", "trl"])  # 8 prompts do not split in 3
+
+
+def test_variable_lengths_vary_the_prompts_and_the_eos():
+    spec = {**SPEC, "variable_lengths": True}
+    words = {len(p.split()) for p in workload.prompt_texts(spec)}
+    assert len(words) > 3 and min(words) >= 2 and max(words) <= 8
+    assert workload.eos_boost(spec) == workload.EOS_BOOST and workload.eos_boost(SPEC) == 1.0
+    assert [len(p.split()) for p in workload.prompt_texts(SPEC)] == [4] * SPEC["prompts"]

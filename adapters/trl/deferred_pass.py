@@ -7,8 +7,9 @@ dropped rows' old log-probs are never read: their ratio is set to exactly 1 in t
 (:mod:`.policy_forward`). So the pass is deferred: TRL's call gets a placeholder, and once the
 method returns (advantages known) the pass runs on the rows the ``grpo_filter_zero_advantage``
 hook keeps for the whole rollout, with TRL's own arguments and the same weights (nothing
-trains in between). The placeholder's other rows stay NaN: :mod:`.placeholders` keeps them out
-of every loss (replaced where no gradient can come of them, an error where one would).
+trains in between), on the columns some kept row uses (:mod:`.trim`). The placeholder's other
+rows stay NaN: :mod:`.placeholders` keeps them out of every loss (replaced where no gradient
+can come of them, an error where one would).
 On a rollout a verify step consumes, the pass also runs over every row and the kept rows are
 compared with it (:mod:`.verify_rollout`).
 
@@ -28,9 +29,9 @@ from typing import Any, Callable, Iterator, Mapping
 from grpo_patches import api
 
 from . import filter as zero_advantage_filter
-from . import logprob_pass, metrics, placeholders, state, verify_rollout
+from . import logprob_pass, metrics, placeholders, state, trim, verify_rollout
 from .loss_types import importance_sampling_on, loss_mask
-from .row_subsets import is_multimodal
+from .row_subsets import is_multimodal, rows_of
 from .version import multimodal_rows_supported
 
 
@@ -97,11 +98,15 @@ def complete(trainer: Any, deferred: Deferred | None, output: dict) -> None:
         advantages=output["advantages"], mask=loss_mask(output), denominator="fixed", group=None
     )
     keep = torch.arange(rows, device=deferred.placeholder.device) if plan is None else plan.keep
-    values = logprob_pass.run(trainer, trainer._get_per_token_logps_and_entropies, deferred.arguments, keep)[0]
+    method = trainer._get_per_token_logps_and_entropies
+    kept = rows_of(deferred.arguments, keep, method)
+    cut = trim.columns(kept)  # no padding work: the columns some kept row uses
+    values = trim.widen(logprob_pass.run(trainer, method, trim.trimmed(kept, cut))[0], cut)
     old = deferred.placeholder.to(values.dtype).index_copy(0, keep.to(values.device), values)
     used = old
     if verify_rollout.wanted(trainer):  # a verify step consumes this rollout: the pass over every row too
         used = verify_rollout.check_deferred(trainer, deferred.arguments, output, old, keep)
     output["old_per_token_logps"] = used
     if used is old:  # else verification switched the filter off: the rollout has TRL's full pass
-        metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()))
+        metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()),
+                       padding_tokens_skipped=cut.tokens(int(keep.numel())))

@@ -18,6 +18,10 @@ under data parallelism, every rank keeps (and forwards) the same number of rows.
 * ``True``: the dropped rows get a no-grad forward (no activations kept, no backward), so
   every metric TRL logs is its own, exactly.
 
+The kept rows of every micro-batch run on the columns some kept row uses (:mod:`.trim`:
+trailing completion padding, and leading prompt padding where positions allow), counted as
+``padding_tokens_skipped``.
+
 The filter is exact only when zero-advantage rows have no gradient: ``beta != 0``, an
 entropy bonus, an entropy quantile mask, a router aux loss, or a ``_compute_loss`` the adapter
 does not know (a subclass's) give them one or may. With ``zero_advantage_filter=True`` such a
@@ -70,7 +74,8 @@ def _note_running(trainer: Any) -> None:
     total = metrics.count_total
     rows = int(total(trainer, "rows_dropped") + total(trainer, "rows_kept"))
     text = (f"on ({own.objective.name} objective): {int(total(trainer, 'rows_dropped'))} of {rows} rows "
-            f"left out of the backward")
+            f"left out of the backward, {int(total(trainer, 'padding_tokens_skipped'))} padding token positions "
+            "of kept rows not computed")
     if not api.active_options("trl").dropped_rows_metrics:
         text += (f", {int(total(trainer, 'forward_rows_skipped'))} of their policy forwards and "
                  f"{int(total(trainer, 'old_logprob_rows_skipped'))} old-logprob rows skipped; "
@@ -126,7 +131,8 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
             return None
 
         metrics.relabel(instance, bucket, before, kept_value)
-    counts = dict(rows_dropped=plan.rows_dropped, tokens_dropped=plan.tokens_dropped)
+    counts = dict(rows_dropped=plan.rows_dropped, tokens_dropped=plan.tokens_dropped,
+                  padding_tokens_skipped=call.padding_tokens_skipped)
     if not with_metrics:
         counts["forward_rows_skipped"] = int(mask.shape[0]) - call.forward_rows
     metrics.report(instance, **counts)

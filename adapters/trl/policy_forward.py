@@ -12,6 +12,8 @@ trainer for the duration of that call; the wrapper here answers that one forward
   scattered back into ``[B, T]`` tensors, so TRL's own loss code sees the whole micro-batch:
   every denominator is TRL's. The dropped rows have an advantage of exactly 0, hence a
   per-token loss of exactly 0 (their ratio is finite) and no gradient.
+* padding: the kept rows run on the columns some kept row uses (:mod:`.trim`; not with the
+  tiled loss); their outputs are widened back to TRL's width.
 * tiled loss: the rows' loss is computed from hidden states through ``grpo_lm_head_loss``;
   TRL receives the detached log-probs / entropies for its metrics and its (then
   gradient-free) loss is replaced by the tiled one.
@@ -30,7 +32,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from . import state
+from . import state, trim
 from .row_subsets import is_multimodal, per_row_inputs, rows_of
 
 #: ``tiled(trainer, method, arguments, rows) -> (loss, logps, entropies, aux_loss)``: the tiled loss
@@ -58,6 +60,8 @@ class LossCall:
     :ivar entropies: set by the routing wrapper: the ``[B, T]`` entropies TRL received.
     :ivar forward_rows: set by the routing wrapper: rows that went through a forward.
     :ivar row_inputs: each row's multimodal model inputs (recorded once per call).
+    :ivar padding_tokens_skipped: set by the routing wrapper: token positions of the kept rows
+        not computed because no kept row uses their column (:mod:`.trim`).
     """
 
     keep: Any = None
@@ -71,6 +75,7 @@ class LossCall:
     entropies: Any = None
     forward_rows: int = 0
     row_inputs: Any = None
+    padding_tokens_skipped: int = 0
 
 
 def active_call(trainer: Any) -> LossCall | None:
@@ -117,6 +122,20 @@ def _merge(kept: Any, dropped: Any, keep: Any, drop: Any, rows: int, fill: Any =
     return out
 
 
+def _kept_forward(wrapped: Callable[..., Any], bound: Mapping[str, Any], keep: Any, call: LossCall, drop: Any) -> tuple:
+    """TRL's forward of the kept rows (every row when none is dropped) on the columns they use
+    (:mod:`.trim`), its outputs widened back to TRL's width."""
+    whole = not drop.numel() and not call.always_split
+    kept_args = dict(bound) if whole else rows_of(bound, keep, row_inputs=call.row_inputs)
+    cut = trim.columns(kept_args)
+    out = tuple(wrapped(**trim.trimmed(kept_args, cut)))
+    call.padding_tokens_skipped += cut.tokens(int(keep.numel()))
+    fill = call.fill_logps
+    if fill is not None and not whole:
+        fill = fill.index_select(0, keep.to(fill.device))
+    return (trim.widen(out[0], cut, fill), trim.widen(out[1], cut), *out[2:])
+
+
 def _routing_wrapper(arity: int) -> Callable[..., Any]:
     """wrapt wrapper of ``_get_per_token_logps_and_entropies`` returning ``arity`` values
     (2 in TRL 0.20-1.6: logps, entropies; 3 from 1.7: plus the MoE aux loss)."""
@@ -153,11 +172,10 @@ def _routing_wrapper(arity: int) -> Callable[..., Any]:
             call.tiled_loss = loss  # normalised by the whole micro-batch's denominators
             kept_out: tuple = (logps.detach(), None if entropies is None else entropies.detach(), aux)
         else:
+            kept_out = _kept_forward(wrapped, bound, keep, call, drop)
             if drop.numel() == 0 and not call.always_split:
-                out = wrapped(**bound)
-                call.logps, call.entropies, call.forward_rows = out[0], out[1], batch
-                return out
-            kept_out = tuple(wrapped(**rows_of(bound, keep, row_inputs=call.row_inputs)))
+                call.logps, call.entropies, call.forward_rows = kept_out[0], kept_out[1], batch
+                return kept_out
         call.forward_rows = int(keep.numel())
 
         dropped_out: tuple = (None, None)

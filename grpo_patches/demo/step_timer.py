@@ -15,7 +15,7 @@ Used by ``grpo-patches demo`` and ``benchmarks/trl_step.py``. Components (wall s
 ``trainer_side`` is everything but generation. Each component is measured in wall seconds
 and in process CPU seconds (``cpu_<component>``, every thread's): on a shared machine the wall
 time of the same work varies with the other processes' load, its CPU time much less. Rows through the log-prob method are counted
-too (``rows``), and the passes that ran (``passes``). Install with :meth:`StepTimer.install` on the class *before*
+too (``rows``; token positions, rows x columns, in ``tokens``), and the passes that ran (``passes``). Install with :meth:`StepTimer.install` on the class *before*
 ``grpo_patches.enable`` and :meth:`StepTimer.attach` on the built trainer; per optimizer step
 the components are in :attr:`StepTimer.steps`. Imports torch / transformers lazily.
 """
@@ -47,6 +47,7 @@ class StepTimer:
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         (*COMPONENTS, *(f"cpu_{c}" for c in COMPONENTS)), 0.0))
     rows: dict[str, int] = field(default_factory=lambda: {"old_logprobs": 0, "policy_with_grad": 0, "policy_no_grad": 0})
+    tokens: dict[str, int] = field(default_factory=lambda: {"old_logprobs": 0, "policy_with_grad": 0})
     passes: dict[str, int] = field(default_factory=lambda: {"old_logprob_passes": 0, "reference_passes": 0})
     steps: list[dict[str, float]] = field(default_factory=list)
     _in_loss: bool = False
@@ -73,13 +74,16 @@ class StepTimer:
             model = args[0] if args else kwargs.get("model")
             if getattr(model, "runs_no_forward", False):  # an input recorder, not a forward
                 return wrapped(*args, **kwargs)
-            rows = int((kwargs["input_ids"] if "input_ids" in kwargs else args[1]).size(0))
+            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[1]
+            rows = int(ids.size(0))
             if self._in_loss:
                 self.rows["policy_with_grad" if torch.is_grad_enabled() else "policy_no_grad"] += rows
+                self.tokens["policy_with_grad"] += int(ids.numel()) if torch.is_grad_enabled() else 0
                 return wrapped(*args, **kwargs)
             reference = model is not None and model is getattr(instance, "ref_model", None)
             self.passes["reference_passes" if reference else "old_logprob_passes"] += 1
             self.rows["old_logprobs"] += 0 if reference else rows
+            self.tokens["old_logprobs"] += 0 if reference else int(ids.numel())
             with self._timed("old_logprobs"):
                 return wrapped(*args, **kwargs)
 

@@ -26,7 +26,7 @@ WORDS: tuple[str, ...] = tuple(f"{c}{s}" for c in "bcdfghjklmnpqrstvwxyz" for s 
 MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, int, int, int, int | None], str] = {}
+_cache: dict[tuple[str, int, int, int, int | None, float], str] = {}
 
 
 def vocabulary() -> dict[str, int]:
@@ -63,11 +63,15 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return tok
 
 
-def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, vocab_size: int | None = None) -> Any:
+def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, vocab_size: int | None = None,
+                eos_boost: float = 1.0) -> Any:
     """A randomly initialised Qwen2ForCausalLM (fp32) with tied embeddings.
 
     :param vocab_size: the lm-head's vocabulary (default: the tokenizer's ~250 words); a
         larger one gives a realistic lm-head cost, its extra ids are never produced.
+    :param eos_boost: scales the ``<eos>`` embedding (tied: its logit too), so that sampling
+        ends completions early at varied lengths (``1.0``: the random init, which almost never
+        samples ``<eos>`` and fills every completion to the maximum length).
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -90,6 +94,9 @@ def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, vocab
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
+    if eos_boost != 1.0:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.eos_token_id] *= eos_boost
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 1
     return model
@@ -101,23 +108,25 @@ def tiny_model_path(
     hidden_size: int = 64,
     num_layers: int = 2,
     vocab_size: int | None = None,
+    eos_boost: float = 1.0,
 ) -> str:
     """Save the tiny model + tokenizer under ``directory`` (a per-process temp dir by default).
 
     Cached per process and (directory, seed, size): repeated calls return the same path
     without rebuilding. Returns the directory path as a string.
     """
-    key = (str(directory) if directory is not None else "", seed, hidden_size, num_layers, vocab_size)
+    key = (str(directory) if directory is not None else "", seed, hidden_size, num_layers, vocab_size, eos_boost)
     with _lock:
         if key in _cache and Path(_cache[key], "config.json").exists():
             return _cache[key]
         base = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="grpo_patches_tiny_"))
         size = "" if (hidden_size, num_layers) == (64, 2) else f"-h{hidden_size}-l{num_layers}"
         size += f"-v{vocab_size}" if vocab_size else ""
+        size += f"-eos{eos_boost:g}" if eos_boost != 1.0 else ""
         path = base / f"tiny-qwen2-seed{seed}{size}"
         if not (path / "config.json").exists():
             path.mkdir(parents=True, exist_ok=True)
-            build_model(seed, hidden_size, num_layers, vocab_size).save_pretrained(path)
+            build_model(seed, hidden_size, num_layers, vocab_size, eos_boost).save_pretrained(path)
             build_tokenizer().save_pretrained(path)
         _cache[key] = str(path)
         return str(path)

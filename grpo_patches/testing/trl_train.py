@@ -9,7 +9,7 @@ Stable API (the tests rely on it)::
     result.log_history   # trainer.state.log_history
     result.savings       # grpo_patches.savings.totals("trl") for this run
     result.metrics(name) # the values of one logged metric, in order
-    result.forwards      # with count_forwards=True: rows through TRL's log-prob method
+    result.forwards      # with count_forwards=True: rows (and tokens) through TRL's log-prob method
 
 Every run starts from the same saved tiny model with the same seeds, so the unpatched and
 patched runs see identical data and generations; only the patches differ.
@@ -76,6 +76,7 @@ class ForwardRows:
     with_grad: int = 0  # the policy forward of the loss
     no_grad: int = 0  # old-logprob / reference passes, and the dropped rows' metrics forward
     no_grad_calls: int = 0
+    tokens: int = 0  # token positions (rows x columns) through every forward counted here
 
 
 def _count_forwards(counter: ForwardRows) -> Callable[[], None]:
@@ -91,7 +92,9 @@ def _count_forwards(counter: ForwardRows) -> Callable[[], None]:
         model = kwargs["model"] if "model" in kwargs else args[0]
         if getattr(model, "runs_no_forward", False):  # grpo_patches' input recorder: no forward
             return wrapped(*args, **kwargs)
-        rows = int((kwargs["input_ids"] if "input_ids" in kwargs else args[1]).size(0))
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[1]
+        rows = int(ids.size(0))
+        counter.tokens += int(ids.numel())
         if torch.is_grad_enabled():
             counter.with_grad += rows
         else:
