@@ -1,0 +1,72 @@
+"""The prev-logprob pass cut to the rows some loss reads (``recompute``), on the stand-in of every tag.
+
+The same cases run on the real worker in the compat cells (``tests/compat_nemo_rl/test_real_prev_rows.py``),
+with NeMo-RL's own sharding (dynamic batching, two data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo_patches
+from grpo_patches.adapters.nemo_rl import prev_rows
+from tests.helpers import nemo_prev_rows_cases as cases
+from tests.helpers.nemo_fake import TAGS
+from tests.helpers.nemo_worker_harness import batched, fake_worker, make_batch
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    grpo_patches.disable()
+
+
+@pytest.mark.parametrize("zero_filter", [True, False])
+@pytest.mark.parametrize("global_batches", [1, 2, 4])
+@pytest.mark.parametrize("tag", TAGS)
+def test_deferred_pass_matches_upstream(fake_nemo, tag, global_batches, zero_filter, record_property):
+    fake_nemo(tag)
+    got = cases.deferred_matches_upstream(tag, fake_worker, global_batches, zero_filter=zero_filter, lookup=True)
+    record_property(f"exact_prev_rows_{global_batches}gb_grad_rel", got["grad_rel"])
+    assert got["steps"] == global_batches
+    assert got["grad_rel"] <= cases.TOL
+    assert got["skipped"] == cases.expected_skipped(global_batches, zero_filter) == got["nan_rows"]
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_wrong_rows_treated_as_first_are_caught(fake_nemo, tag, monkeypatch, record_property):
+    fake_nemo(tag)
+    monkeypatch.setattr(prev_rows, "plan", cases.rows_treated_as_first(8))
+    got = cases.deferred_matches_upstream(tag, fake_worker, 2, zero_filter=False, lookup=True)
+    record_property("fault_prev_rows_grad_rel", got["grad_rel"])
+    assert got["grad_rel"] > 1e3 * cases.TOL
+
+
+def test_the_plan_at_75_percent_zero_advantage_and_4_global_batches(fake_nemo):
+    fake_nemo("main")
+    batch = batched(make_batch(rows=16, zero_rows=cases.ZERO_75))
+    compute, marks = prev_rows.plan(batch, gbs=4, multiple=1, zero_skip=True)
+    assert compute == [r for r in range(4, 16) if r not in cases.ZERO_75] == [7, 10, 14]
+    assert marks[:4].tolist() == [prev_rows.FIRST] * 4 and int((marks == prev_rows.ZERO).sum()) == 9
+    compute2, marks2 = prev_rows.plan(batch, gbs=4, multiple=2, zero_skip=True)
+    assert len(compute2) == 4 and set(compute) < set(compute2) and int((marks2 > 0).sum()) == 12
+    assert prev_rows.plan(batch, gbs=4, multiple=1, zero_skip=False)[0] == list(range(4, 16))
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_a_skipped_row_read_with_a_non_zero_advantage_raises(fake_nemo, tag):
+    fake_nemo(tag)
+    from grpo_patches.errors import PlaceholderError
+    from grpo_patches.adapters.nemo_rl.skipped_rows import substitute
+
+    data = batched(make_batch(rows=4, zero_rows=()))
+    data["prev_logprobs"][2] = float("nan")
+    data[prev_rows.MARK] = torch.tensor([0.0, 0.0, prev_rows.ZERO, 0.0])
+    current = torch.zeros(4, data["input_ids"].shape[1] - 1)
+    with pytest.raises(PlaceholderError, match="non-zero advantage"):
+        substitute(data, current, patched=True)
+    data[prev_rows.MARK] = torch.tensor([0.0, 0.0, prev_rows.FIRST, 0.0])
+    assert not torch.isnan(substitute(data, current, patched=True)["prev_logprobs"]).any()
+    with pytest.raises(PlaceholderError, match="NeMo-RL's own loss would read it"):
+        substitute(data, current, patched=False)
