@@ -70,3 +70,22 @@ def test_a_skipped_row_read_with_a_non_zero_advantage_raises(fake_nemo, tag):
     assert not torch.isnan(substitute(data, current, patched=True)["prev_logprobs"]).any()
     with pytest.raises(PlaceholderError, match="NeMo-RL's own loss would read it"):
         substitute(data, current, patched=False)
+
+
+@pytest.mark.parametrize("tag", [t for t in TAGS if t != "v0.5.0"])
+def test_a_verify_step_compares_the_skipped_rows(fake_nemo, tag, record_property):
+    """On a verify step the driver runs the pass on every row: the workers compare the first
+    global batch's real values with the current log-probs their loss used, and the run is unchanged."""
+    from grpo_patches.errors import ExactnessError
+    from tests.helpers.nemo_verify_cases import PREFIX
+
+    fake_nemo(tag)
+    base, verified = cases.verify_step(tag, fake_worker)
+    figure = max(verified.metrics[PREFIX + "old_logprob_max_abs_diff"])
+    record_property("exact_prev_rows_verify_old_logprob_max_abs_diff", figure)
+    assert figure <= 1e-5 and max(verified.metrics[PREFIX + "grad_rel_diff"]) <= 1e-5
+    assert verified.status["verify"]["failures"] == []
+    from tests.helpers.nemo_worker_harness import max_grad_rel
+    assert max_grad_rel(verified, base) <= cases.TOL
+    with pytest.raises(ExactnessError, match="old_logprob_max_abs_diff"):
+        cases.verify_step(tag, fake_worker, first_rows_off=0.01)

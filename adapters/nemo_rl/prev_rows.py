@@ -151,16 +151,26 @@ def run(loop: LoopState, policy: Any, data: Any, gbs: int, loss_fn: Any, verify_
 
     unknown = unknown_keys(data)
     zero_skip = zero_rows_skippable(loss_fn)
+
+    def logprobs(sub: Any) -> Any:
+        """NeMo-RL's pass as ``grpo_train`` prepares it (the workers in inference mode, optimizer
+        offloaded where configured), then back to training as ``grpo_train`` left them."""
+        policy.prepare_for_lp_inference()
+        try:
+            return policy.get_logprobs(sub)["logprobs"]
+        finally:
+            policy.prepare_for_training()
+
     loop.bypass = True
     try:
         if unknown or verify_step:
             _, marks = plan(data, gbs, pass_multiple(policy), zero_skip)
             every = data if unknown else subset(data, list(range(int(data["input_ids"].shape[0]))))
-            data["prev_logprobs"] = policy.get_logprobs(every)["logprobs"]
+            data["prev_logprobs"] = logprobs(every)
             data[MARK] = marks * (0.0 if unknown else 1.0)
             skipped = 0
         else:
-            skipped = fill(data, gbs, pass_multiple(policy), zero_skip, lambda sub: policy.get_logprobs(sub)["logprobs"])
+            skipped = fill(data, gbs, pass_multiple(policy), zero_skip, logprobs)
     finally:
         loop.bypass = False
     if unknown:

@@ -89,3 +89,18 @@ def test_two_data_parallel_ranks(dynamic, record_property):
     record_property(f"exact_prev_rows_dp2_{'dyn' if dynamic else 'static'}_grad_rel", worst)
     assert worst <= cases.TOL
     assert all(r["skipped"] == cases.expected_skipped(2, True, dp=2) for r in results)
+
+
+@pytest.mark.skipif(TAG == "v0.5.0", reason="verify mode needs NeMo-RL >= 0.6.0 (v0.5.0 refuses verify_every)")
+def test_a_verify_step_compares_the_skipped_rows(record_property):
+    from grpo_patches.errors import ExactnessError
+    from tests.helpers.nemo_verify_cases import PREFIX
+    from tests.helpers.nemo_worker_harness import max_grad_rel
+
+    base, verified = cases.verify_step(TAG, harness.real_worker)
+    figure = max(verified.metrics[PREFIX + "old_logprob_max_abs_diff"])
+    record_property("exact_prev_rows_verify_old_logprob_max_abs_diff", figure)
+    assert figure <= 1e-5 and max(verified.metrics[PREFIX + "grad_rel_diff"]) <= 1e-5
+    assert verified.status["verify"]["failures"] == [] and max_grad_rel(verified, base) <= cases.TOL
+    with pytest.raises(ExactnessError, match="old_logprob_max_abs_diff"):
+        cases.verify_step(TAG, harness.real_worker, first_rows_off=0.01)

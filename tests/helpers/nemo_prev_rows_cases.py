@@ -117,3 +117,25 @@ def rows_treated_as_first(gbs: int) -> Callable[..., Any]:
         return [r for r in range(marks.shape[0]) if marks[r] == 0], marks
 
     return faulty
+
+
+def verify_step(tag: str, factory: Callable[..., Any], first_rows_off: float = 0.0) -> tuple[Any, Any]:
+    """A verify step of a deferred batch, as the driver sends it (:func:`prev_rows.run`): the
+    pass over every row, the marks, :data:`VERIFY_PREV` on the loss. ``first_rows_off`` moves the
+    first global batch's real values (a skipped pass that would not have equalled the current
+    log-probs). Returns ``(unpatched run, verified run)``; 2 global batches of 8 rows."""
+    from grpo_patches.adapters.nemo_rl import prev_rows
+    from grpo_patches.adapters.nemo_rl.state import VERIFY_PREV
+    from tests.helpers import nemo_verify_cases
+
+    batch = make_batch(rows=ROWS, zero_rows=ZERO_75)
+    full = real_prev(tag, factory, batch)
+    base = nemo_verify_cases.train(tag, factory, dict(batch, prev_logprobs=full), None, gbs=8, mbs=2)
+    sent = full.clone()
+    sent[:8] += first_rows_off * batch["token_mask"][:8]
+    _, marks = prev_rows.plan(batched(batch), 8, LOGPROB_MBS, zero_skip=True)
+    loss = make_loss(tag)
+    setattr(loss, VERIFY_PREV, {"force_on_policy_ratio": loss.__dict__.get("force_on_policy_ratio")})
+    verified = nemo_verify_cases.train(tag, factory, dict(batch, prev_logprobs=sent, **{prev_rows.MARK: marks}),
+                                       {"zero_advantage_filter": True, "verify_every": 1}, gbs=8, mbs=2, loss_fn=loss)
+    return base, verified
