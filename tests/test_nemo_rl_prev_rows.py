@@ -89,3 +89,24 @@ def test_a_verify_step_compares_the_skipped_rows(fake_nemo, tag, record_property
     assert max_grad_rel(verified, base) <= cases.TOL
     with pytest.raises(ExactnessError, match="old_logprob_max_abs_diff"):
         cases.verify_step(tag, fake_worker, first_rows_off=0.01)
+
+
+def test_each_fallback_says_why(fake_nemo, monkeypatch, tmp_path):
+    """Where the cut pass could not be exact the pass runs on every row, and status() says why."""
+    from grpo_patches.adapters.nemo_rl.state import LoopState
+
+    fake_nemo("main")
+    grpo_patches.enable("nemo_rl")
+    loop = LoopState(policy=None, loss_fn=None, config={"policy": {}})
+    assert "workers are not patched" in prev_rows.why_not(loop)
+    for name, value in (("GRPO_PATCHES", "nemo_rl"), ("GRPO_PATCHES_STARTUP_DIR", str(tmp_path)),
+                        ("PYTHONPATH", str(tmp_path))):
+        monkeypatch.setenv(name, value)
+    assert prev_rows.why_not(loop) is None
+    packing = LoopState(policy=None, loss_fn=None, config={"policy": {"sequence_packing": {"enabled": True}}})
+    assert "sequence_packing" in prev_rows.why_not(packing)
+    megatron = LoopState(policy=None, loss_fn=None, config={"policy": {"megatron_cfg": {"enabled": True}}})
+    assert "Megatron" in prev_rows.why_not(megatron)
+    grpo_patches.disable()
+    grpo_patches.enable("nemo_rl", recompute=False)
+    assert prev_rows.why_not(loop).startswith("recompute=False")
