@@ -241,3 +241,40 @@ def test_async_loop_keeps_the_prev_pass_and_says_so(fake_nemo, tag):
     note = grpo_patches.status()["nemo_rl"]["notes"]["prev_logprobs"]
     assert note.startswith("runs: async_grpo_train trains on trajectories that older weights may have generated")
     assert "old_logprob_passes_skipped" not in grpo_patches.status()["nemo_rl"]["savings"]
+
+
+def _reached(monkeypatch, tmp_path, options: str = "") -> None:
+    """The driver's environment as `grpo-patches run` leaves it (the workers get grpo_patches)."""
+    monkeypatch.setenv("GRPO_PATCHES", "nemo_rl")
+    monkeypatch.setenv("GRPO_PATCHES_STARTUP_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("GRPO_PATCHES_OPTIONS", options)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_several_optimizer_steps_defer_the_pass_to_the_rows_it_needs(fake_nemo, tag, monkeypatch, tmp_path,
+                                                                     record_property):
+    """16 rows, 4 global batches: the first 4 rows (the first optimizer step) skip the pass;
+    the deferred pass at Policy.train runs on the other 12 (the zero rows 1, 2 are among the first)."""
+    _reached(monkeypatch, tmp_path)
+    (_, log0, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {}, policy={"train_global_batch_size": 4},
+                                                          rows=16)
+    diff = rel(w1, w0)
+    record_property("exact_prev_rows_weights_rel", diff)
+    assert diff <= TOL
+    assert policy1.calls["get_logprobs"] == STEPS
+    assert [m["grpo_patches/old_logprob_rows_skipped"] for _, m in log1.metrics] == [4.0] * STEPS
+    assert report["savings"]["old_logprob_rows_skipped"] == 4 * STEPS
+    assert report["notes"]["prev_logprobs"].startswith("deferred to Policy.train and run only on the rows")
+    assert not set(PLACEHOLDER_METRICS) & set(log1.metrics[-1][1])
+
+
+@pytest.mark.parametrize("tag", ["v0.6.0", "main"])
+def test_recompute_false_keeps_every_row(fake_nemo, tag, monkeypatch, tmp_path):
+    _reached(monkeypatch, tmp_path, "recompute=0")
+    (_, _, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {"recompute": False},
+                                                       policy={"train_global_batch_size": 4}, rows=16)
+    assert rel(w1, w0) <= TOL and policy1.calls["get_logprobs"] == STEPS
+    assert "recompute=False" in report["notes"]["prev_logprobs"]
+    assert "old_logprob_rows_skipped" not in report["savings"]
+    assert [m["grpo_patches/old_logprob_rows_skipped"] for _, m in log1.metrics] == [0.0] * STEPS

@@ -15,7 +15,9 @@ Driver:
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
 - ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
   ``Policy.get_logprobs`` (V05, V06) and v0.6.0's ``compute_and_apply_seq_logprob_error_masking``:
-  the prev-logprob pass skipped when provably on-policy (:mod:`.old_logprobs`).
+  the prev-logprob pass skipped when provably on-policy (:mod:`.old_logprobs`); with several
+  optimizer steps per batch (``recompute``), deferred to ``Policy.train`` and run only on the rows
+  some loss reads (:mod:`.prev_rows`; the workers' loss: :mod:`.skipped_rows`).
 - ``grpo.async_grpo_train`` (``logprob_skip``): only reported (never provably on-policy).
 - ``Policy.train`` (always): checked on every call, flags the loss, collects the workers'
   counters (:mod:`.train_call`).
@@ -121,9 +123,9 @@ PATCHES = (
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:verify_setup_wrapper", versions=V06_UP, option=VERIFY),
 )
 
-#: options with no effect of their own in NeMo-RL, and what they do here instead (status() notes)
-NOT_APPLICABLE = {"recompute": "NeMo-RL computes prev_logprobs every step; logprob_skip skips that pass when "
-                               "the step is provably on-policy (the grpo_recompute_old_logps hook decides)"}
+#: options with no effect of their own in NeMo-RL (``recompute`` acts through the ``logprob_skip`` records:
+#: the pass of a multi-step batch deferred to the rows some loss reads, :mod:`.prev_rows`)
+NOT_APPLICABLE: dict[str, str] = {}
 
 ADAPTER = Adapter(
     name="nemo_rl",

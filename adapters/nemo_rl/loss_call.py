@@ -11,6 +11,8 @@ One record per tag line (the loss moved and changed signature):
   log-probs are taken from them without autograd (NeMo-RL's own helper for vocab-parallel
   DTensor logits).
 * v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to do there.
+* Every tag: rows whose pass the driver skipped for a multi-step batch (``recompute``,
+  :mod:`.prev_rows`) get the detached current log-probs (:mod:`.skipped_rows`).
 * Verify mode (v0.6.0+): on a verified global batch whose prev-logprob pass was skipped, the
   log-probs the loss gets are measured against that pass (:func:`.verify.measure_prev`); v0.6.0,
   when the reference pass was skipped: the loss with and without its placeholder
@@ -28,6 +30,8 @@ from grpo_patches import api
 
 from .calls import arguments
 from .metrics import adjust_kept_rows
+from .prev_rows import MARK
+from .skipped_rows import dropped_marked, substitute
 from .verify import measure_prev, measure_reference
 from .state import (
     COUNTERS,
@@ -101,7 +105,8 @@ def _finish(wrapped: Callable[..., Any], instance: Any, call: dict[str, Any], su
     if plan is None or options is None:
         return loss, metrics
     if not options.dropped_rows_metrics:
-        prev_real = not (getattr(instance, "force_on_policy_ratio", False) or getattr(instance, PREV_IS_CURRENT, False))
+        prev_real = not (getattr(instance, "force_on_policy_ratio", False) or getattr(instance, PREV_IS_CURRENT, False)
+                         or dropped_marked(plan.dropped))
         metrics = adjust_kept_rows(metrics, instance, plan, call["global_valid_seqs"], call["global_valid_toks"],
                                    prev_real, _dropped_share(wrapped, call) if share else None)
     if active_train() is None and not plan.counters_sent:  # v0.5.0: NeMo-RL divides by the global batches
@@ -119,6 +124,9 @@ def call_v050(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
         current = _current_from_logits(call)
         if current is not None:
             call["data"], substituted = _with_prev(call["data"], current), True
+    if MARK in call["data"]:  # rows whose pass the driver skipped (:mod:`.skipped_rows`)
+        current = _current_from_logits(call)
+        call["data"] = substitute(call["data"], current, patched=current is not None)
     return _finish(wrapped, instance, call, substituted, share=False)
 
 
@@ -130,6 +138,7 @@ def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
     substituted = False
     if getattr(instance, PREV_IS_CURRENT, False):
         call["data"], substituted = _with_prev(call["data"], call["next_token_logprobs"]), True
+    call["data"] = substitute(call["data"], call["next_token_logprobs"], patched=active_train() is not None)
     return _finish(wrapped, instance, call, substituted, share=True)
 
 
@@ -140,6 +149,11 @@ def call_v070(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
         call = arguments(wrapped, args, kwargs)
         measure_prev(call)
         measure_reference(wrapped, call)
-    if _current_plan() is None:
+    call = arguments(wrapped, args, kwargs)
+    if MARK in call["data"]:  # rows whose pass the driver skipped (:mod:`.skipped_rows`)
+        call["data"] = substitute(call["data"], call["next_token_logprobs"], patched=train is not None)
+    elif _current_plan() is None:
         return wrapped(*args, **kwargs)
-    return _finish(wrapped, instance, arguments(wrapped, args, kwargs), False, share=True)
+    if _current_plan() is None:
+        return wrapped(**call)
+    return _finish(wrapped, instance, call, False, share=True)

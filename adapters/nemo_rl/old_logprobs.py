@@ -38,6 +38,7 @@ from grpo_patches import api
 from grpo_patches.patching import overriding_class
 from grpo_patches.plugins import hook
 
+from . import prev_rows
 from .calls import arguments, zero_logprobs
 from .settings import setting
 from .state import ACTIVE_LOOP, FRAMEWORK, LoopState
@@ -84,8 +85,14 @@ def train_batch_size(policy: Any, gbs: int | None = None) -> int:
     return int(gbs or setting(policy, "cfg.train_global_batch_size"))
 
 
+#: :func:`decide`'s answer when the pass is deferred to ``Policy.train`` and cut to the rows some loss reads.
+DEFERRED = "deferred"
+
+
 def decide(loop: LoopState, rows: int | None = None) -> str | None:
-    """``None`` when this step's pass may be skipped, else why it runs.
+    """``None`` when this step's pass may be skipped, :data:`DEFERRED` when it is deferred to
+    ``Policy.train`` for the rows after the first optimizer step (:mod:`.prev_rows`, option
+    ``recompute``), else why it runs.
 
     :param rows: the batch's rows when known (v0.5 / v0.6 see it), else the configured
         rollout batch ``num_prompts_per_step * num_generations_per_prompt``.
@@ -109,12 +116,17 @@ def decide(loop: LoopState, rows: int | None = None) -> str | None:
     if needed:
         return f"runs: needed by {'; '.join(needed)}"
     if steps > 1:
+        why = prev_rows.why_not(loop)
+        if why is None:
+            return DEFERRED
         return (f"runs: {rows} rows per step make {steps} optimizer steps (train_global_batch_size={gbs}); "
-                "the later ones are off-policy")
+                f"the later ones are off-policy, and the pass runs on every row: {why}")
     return "runs: a grpo_recompute_old_logps plugin decided"
 
 
 def _note(reason: str | None) -> None:
+    if reason == DEFERRED:
+        return  # noted at train time, where the rows are known (:mod:`.prev_rows`)
     text = ("skipped: provably on-policy (one optimizer step per rollout batch, nothing else reads them); "
             "the loss uses the detached current log-probs") if reason is None else reason
     api.note(FRAMEWORK, "prev_logprobs", text)
@@ -159,9 +171,10 @@ def skip_predicate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tup
         return upstream
     reason = decide(loop)
     _note(reason)
-    loop.prev = "skipped" if reason is None else "run"
-    loop.placeholders = reason is None
-    return reason is None
+    skip = reason is None or reason == DEFERRED
+    loop.prev = ("skipped" if reason is None else "deferred") if skip else "run"
+    loop.placeholders = skip
+    return skip
 
 
 def get_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -173,12 +186,12 @@ def get_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
     reason = decide(loop, rows=int(data["input_ids"].shape[0]))
     _note(reason)
     loop.placeholders = False
-    if reason is not None:
+    if reason is not None and reason != DEFERRED:
         loop.prev = "run"
         return wrapped(*args, **kwargs)
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-    loop.prev = "skipped"
+    loop.prev = "skipped" if reason is None else "deferred"
     return BatchedDataDict({"logprobs": zero_logprobs(data)})
 
 
@@ -186,7 +199,7 @@ def seq_error_metrics_wrapper(wrapped: Callable[..., Any], instance: Any, args: 
     """``grpo.compute_and_apply_seq_logprob_error_masking`` (v0.6.0): placeholders when prev is
     zeros (no threshold is set then, so there is nothing to mask); dropped from the logs."""
     loop = ACTIVE_LOOP.get()
-    if loop is None or loop.prev != "skipped":
+    if loop is None or loop.prev not in ("skipped", "deferred"):
         return wrapped(*args, **kwargs)
     loop.placeholders = True
     return 0.0, 0, 0.0  # (max_seq_mult_prob_error, num_masked_seqs, masked_correct_pct)

@@ -74,8 +74,9 @@ class LoopState:
     :ivar on_policy: why the prev-logprob pass may be skipped (``None``: it may), decided once
         per call from the config (:mod:`.old_logprobs`).
     :ivar prev: this step's prev-logprob pass: ``"run"``, ``"skipped"`` (by grpo_patches),
-        ``"upstream"`` (NeMo-RL's own ``force_on_policy_ratio``) or ``"late"`` (skipped, then
-        run at train time because the train call made more than one optimizer step).
+        ``"upstream"`` (NeMo-RL's own ``force_on_policy_ratio``), ``"late"`` (skipped, then
+        run at train time because the train call made more than one optimizer step) or
+        ``"deferred"`` (run at train time on the rows some loss reads, :mod:`.prev_rows`).
     :ivar placeholders: NeMo-RL filled this step's sequence-level log-prob error metrics with
         zero placeholders (they are dropped from the logs).
     :ivar bypass: call the original ``get_logprobs`` (a late pass).
@@ -96,8 +97,8 @@ class LoopState:
 
     @property
     def prev_is_zero(self) -> bool:
-        """``train_data["prev_logprobs"]`` holds zeros this step, not log-probs."""
-        return self.prev in ("skipped", "upstream")
+        """``train_data["prev_logprobs"]`` holds placeholders this step (zeros; NaN rows when deferred)."""
+        return self.prev in ("skipped", "upstream", "deferred")
 
 
 ACTIVE_LOOP: contextvars.ContextVar[LoopState | None] = contextvars.ContextVar("grpo_patches_nemo_loop", default=None)

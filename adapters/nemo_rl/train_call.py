@@ -11,7 +11,9 @@
   importance weights and metrics, which those versions read even under the force flag). Both
   are put back after the call; NeMo-RL pickles the loss to the workers on every call.
 * NeMo-RL's logged metrics get ``grpo_patches/old_logprob_passes_skipped`` (1 when this step's
-  pass was skipped, 0 when it ran; per step). A skip is exact only through this call: another
+  pass was skipped, 0 when it ran; per step) and ``grpo_patches/old_logprob_rows_skipped`` (the
+  rows whose pass did not run: all of them on a skipped step, the rows :mod:`.prev_rows` needs no
+  pass for on a deferred one). A skip is exact only through this call: another
   ``Policy`` training on the skipped step's batch (whose ``prev_logprobs`` are zeros) is an error.
 * Verify mode (:mod:`.verify_driver`): on a verify step whose pass was skipped the pass runs
   for the workers to compare; their figures and switch-offs are read back from the metrics.
@@ -29,7 +31,7 @@ from typing import Any, Callable
 from grpo_patches import api, savings
 from grpo_patches.errors import GrpoPatchesError
 
-from . import verify_driver, version
+from . import prev_rows, verify_driver, version
 from .calls import arguments
 from .old_logprobs import train_batch_size
 from .state import (
@@ -136,7 +138,8 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     if loop is not None:
         loop.unlogged.clear()  # decided again for this step's metrics
     call = arguments(wrapped, args, kwargs)
-    if loop is not None and loop.prev == "skipped" and instance is not loop.policy and not call["eval_mode"]:
+    if loop is not None and loop.prev in ("skipped", "deferred") and instance is not loop.policy \
+            and not call["eval_mode"]:
         raise GrpoPatchesError(
             "grpo_patches skipped this step's prev-logprob pass for the Policy passed to grpo_train, but another "
             f"Policy ({type(instance).__name__}) trains on the batch: its prev_logprobs are a zero placeholder that its "
@@ -149,6 +152,11 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     saved = None
     undo_verify = None
     loss_fn = call["loss_fn"]
+    rows_skipped = None
+    if driven and loop.prev == "deferred":
+        gbs = train_batch_size(instance, call.get("gbs"))
+        rows_skipped, undo_verify = prev_rows.run(loop, instance, call["data"], gbs, loss_fn, verify_driver.due(step))
+        savings.report(FRAMEWORK, old_logprob_rows_skipped=rows_skipped)
     if skipped:
         data = call["data"]
         steps = int(data["input_ids"].shape[0]) // train_batch_size(instance, call.get("gbs"))
@@ -157,7 +165,8 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
             skipped = False
         else:
             saved = _flag(loss_fn)
-            savings.report(FRAMEWORK, old_logprob_passes_skipped=1)
+            rows_skipped = int(data["input_ids"].shape[0])
+            savings.report(FRAMEWORK, old_logprob_passes_skipped=1, old_logprob_rows_skipped=rows_skipped)
             if verify_driver.due(step):
                 force = saved["force_on_policy_ratio"]
                 undo_verify = verify_driver.run_skipped_pass(loop, instance, data, loss_fn,
@@ -183,4 +192,5 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     _collect(instance, result, skipped, loop)
     if loop is not None and instance is loop.policy and isinstance(result, dict) and "all_mb_metrics" in result:
         result["all_mb_metrics"][METRIC_PREFIX + "old_logprob_passes_skipped"] = [1.0 if skipped else 0.0]
+        result["all_mb_metrics"][METRIC_PREFIX + "old_logprob_rows_skipped"] = [float(rows_skipped or 0)]
     return result

@@ -55,6 +55,7 @@ from grpo_patches import verify, verify_log
 from .calls import arguments
 from grpo_patches.errors import ExactnessError
 
+from .skipped_rows import first_rows
 from .state import FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
 
 SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
@@ -111,6 +112,9 @@ def measure_prev(call: dict[str, Any]) -> None:
         return
     data, current = call["data"], call["next_token_logprobs"]
     mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    first = first_rows(data)  # a deferred pass: only the first optimizer step's rows used current log-probs
+    if first is not None:
+        mask = mask * first.to(mask.device, mask.dtype).unsqueeze(-1)
     prev = data["prev_logprobs"][:, 1:].to(current.device)
     width = min(int(current.shape[1]), int(prev.shape[1]))
     measured = verify.max_abs_diff(current.detach()[:, :width], prev[:, :width], mask[:, :width].to(current.device))

@@ -10,7 +10,8 @@ start-up hook (``grpo_patches/testing/nemo_rl_startup/``) stands in for CUDA and
 
 Cases (3 steps, 4 prompts x 4 samples, half the rows at advantage exactly 0, KL penalty 0,
 fp32, SGD): one optimizer step per rollout batch with the default options (prev-logprob pass
-skipped, zero-advantage filter ``"auto"``); two optimizer steps per batch (the pass runs); one
+skipped, zero-advantage filter ``"auto"``); two optimizer steps per batch (the pass runs on the
+second global batch's rows with a non-zero advantage only); one
 step with ``tiled_loss=True`` and ``zero_advantage_filter=True``. The first and the last run
 with ``verify_every=1`` too: verify mode's figures on every step, within tolerance, and the run
 still equal to the unpatched one (a verify step leaves no trace besides its figures). Each against the unpatched run
@@ -130,16 +131,20 @@ def test_one_optimizer_step_per_rollout(run, record_property):
 
 
 def test_two_optimizer_steps_per_rollout(run, record_property):
-    """Two optimizer steps per rollout batch: the second is off-policy, so the pass runs; the
-    filter still drops the zero-advantage rows of both global batches."""
+    """Two optimizer steps per rollout batch (``recompute``, on by default): the prev-logprob pass is
+    deferred to ``Policy.train`` and runs only on the second global batch's rows with a non-zero
+    advantage; the filter drops the zero-advantage rows of both global batches."""
     base, patched = run("unpatched-2steps", ROWS // 2, None), run("patched-2steps", ROWS // 2, DEFAULTS)
     _compare(base, patched, "two_steps", record_property)
     _unpatched_saw_nothing(base)
     assert patched.step_values("train/grpo_patches/rows_dropped") == [ZERO_ROWS] * STEPS
     assert patched.step_values("train/grpo_patches/old_logprob_passes_skipped") == [0.0] * STEPS
-    assert "timing/train/logprob_inference_prep" in patched.scalars
+    skipped = patched.step_values("train/grpo_patches/old_logprob_rows_skipped")
+    assert len(skipped) == STEPS and all(ROWS // 2 <= v < ROWS for v in skipped), skipped  # the first 8, and more
+    record_property("e2e_two_steps_prev_rows_computed", f"{[ROWS - int(v) for v in skipped]} of {ROWS} per step")
     driver = _driver_report(patched)
-    assert "make 2 optimizer steps" in driver["notes"]["prev_logprobs"]
+    assert driver["notes"]["prev_logprobs"].startswith("deferred to Policy.train and run only on the rows")
+    assert driver["savings"]["old_logprob_rows_skipped"] == sum(skipped)
     assert "old_logprob_passes_skipped" not in driver["savings"]
 
 

@@ -8,6 +8,7 @@ tests pass their own ``make_worker`` (:func:`grpo_patches.testing.nemo_rl_cpu.re
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +48,9 @@ def batched(batch: dict[str, torch.Tensor], micro_batches: list | None = None) -
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     data = BatchedDataDict({k: v.clone() for k, v in batch.items()})
+    for name in ("micro_batch_indices", "micro_batch_lengths"):  # a layout NeMo-RL's own sharding made
+        if getattr(batch, name, None) is not None:
+            setattr(data, name, copy.deepcopy(getattr(batch, name)))
     if micro_batches is not None:
         data.micro_batch_indices = [[[s, e] for s, e, _ in micro_batches]]
         data.micro_batch_lengths = [[n for _, _, n in micro_batches]]

@@ -1,0 +1,85 @@
+"""Rows whose prev-logprob pass the driver skipped (:mod:`.prev_rows`), in the workers' loss.
+
+Their ``prev_logprobs`` are NaN and their mark (``data[MARK]``) says why:
+
+* :data:`~.prev_rows.FIRST`: consumed by the first optimizer step of the train call, so the
+  detached current log-probs are exactly what the pass would have computed;
+* :data:`~.prev_rows.ZERO`: advantage exactly 0 and a loss in which nothing else reads the
+  prev log-probs; the zero-advantage filter leaves such rows out, and one it keeps anyway (at
+  least one row per rank, or to align ranks) gives no gradient whatever its ratio.
+
+:func:`substitute` gives the loss the detached current log-probs in those rows. A NaN the loss
+would read otherwise (a :data:`ZERO` row with a non-zero advantage, or NeMo-RL's unpatched
+computation meeting a skipped row) raises :class:`~grpo_patches.errors.PlaceholderError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_patches.errors import PlaceholderError
+
+from .prev_rows import MARK, ZERO
+
+_FIX = ("pass recompute=False to grpo_patches.enable('nemo_rl', ...) (GRPO_PATCHES_OPTIONS) to run NeMo-RL's "
+        "prev-logprob pass on every row")
+
+
+def _read_rows(data: Any) -> Any:
+    """Rows with at least one loss token (``token_mask[:, 1:] * sample_mask``)."""
+    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    return mask.reshape(mask.shape[0], -1).sum(dim=1) > 0
+
+
+def substitute(data: Any, current: Any, patched: bool) -> Any:
+    """``data`` with the skipped rows' ``prev_logprobs`` replaced by ``current`` (``[B, S-1]``,
+    detached), a shallow copy; ``data`` itself when it has no skipped row.
+
+    :param patched: grpo_patches' computation (``False``: verify mode's unpatched one, which
+        reads ``prev_logprobs`` as they are: real on a verify step)."""
+    import torch
+
+    marks = data.get(MARK) if hasattr(data, "get") else None
+    if marks is None:
+        return data
+    skipped = (marks > 0).to(data["prev_logprobs"].device)
+    if not bool(skipped.any()):
+        return data
+    prev = data["prev_logprobs"]
+    nan_read = torch.isnan(prev[:, 1:]).reshape(prev.shape[0], -1).any(dim=1) & _read_rows(data).to(prev.device)
+    if not patched:
+        if bool(nan_read.any()):
+            raise PlaceholderError(
+                f"grpo_patches: rows {torch.nonzero(nan_read).flatten().tolist()} of this micro-batch hold the NaN "
+                "placeholder of a skipped prev-logprob pass, and NeMo-RL's own loss would read it; " + _FIX)
+        return data
+    advantages = data["advantages"][:, 1:] * data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    nonzero = (advantages != 0).reshape(advantages.shape[0], -1).any(dim=1).to(prev.device)
+    wrong = (marks.to(prev.device) == ZERO) & nonzero & _read_rows(data).to(prev.device)
+    if bool(wrong.any()):
+        raise PlaceholderError(
+            f"grpo_patches: rows {torch.nonzero(wrong).flatten().tolist()} of this micro-batch skipped their "
+            "prev-logprob pass as zero-advantage rows, but the loss reads them with a non-zero advantage (the driver "
+            "and the workers disagree on the advantages); " + _FIX)
+    values = torch.zeros_like(current, dtype=prev.dtype).copy_(current.detach())
+    width = min(int(values.shape[1]), int(prev.shape[1]) - 1)
+    new = prev.clone()
+    new[skipped] = 0.0
+    new[skipped, 1:1 + width] = values[skipped, :width]
+    copy = type(data)(data)
+    copy["prev_logprobs"] = new
+    return copy
+
+
+def first_rows(data: Any) -> Any | None:
+    """The rows marked as the first optimizer step's (``None``: no marks in ``data``)."""
+    from .prev_rows import FIRST
+
+    marks = data.get(MARK) if hasattr(data, "get") else None
+    return None if marks is None else marks == FIRST
+
+
+def dropped_marked(dropped: Any) -> bool:
+    """Some of the filter's dropped rows skipped their pass (their metrics cannot come from it)."""
+    marks = dropped.get(MARK) if dropped is not None and hasattr(dropped, "get") else None
+    return marks is not None and bool((marks > 0).any())
