@@ -147,3 +147,14 @@ def test_the_trainer_runs_the_whole_pass_when_its_workers_do_not_substitute(monk
     assert got.forwards == h.ROWS and _skipped(got) == 0.0
     notes = got.status["by_class"]["verl.trainer.ppo.ray_trainer.RayPPOTrainer"]
     assert "recompute is off in the worker" in notes["old_logprob_pass"]
+
+
+def test_a_wrong_filter_prediction_stops_the_run(monkeypatch):
+    """Plant a fault: the trainer believes the workers' filter drops zero-advantage rows, the
+    workers run without it: such a row reaching the loss after a step is refused."""
+    from grpo_patches.adapters.verl import old_logprob_rows_plan as plan
+    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+
+    monkeypatch.setattr(plan, "filter_drops_zero_rows", lambda trainer: True)
+    with pytest.raises(PlaceholderError, match="without old log-probs after 1 optimizer step"):
+        _run(NO_FILTER, n_mini=2)

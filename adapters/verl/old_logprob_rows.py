@@ -92,6 +92,7 @@ def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: An
     pad = (-index.numel()) % pass_row_multiple(trainer)
     rows = torch.cat([index, index[:1].repeat(pad)]) if pad else index
     subset = batch.select_idxs(rows)
+    subset.meta_info = dict(batch.meta_info)  # select_idxs shares the dict: the update reads the batch's own
     if "global_token_num" in batch.meta_info:  # verl's MFU estimate reads one length per row
         subset.meta_info["global_token_num"] = [batch.meta_info["global_token_num"][i] for i in rows.tolist()]
     out, _ = deferred(subset)
