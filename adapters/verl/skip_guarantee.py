@@ -116,7 +116,7 @@ def workers_substitute_rows(trainer: Any) -> str | None:
     return own.rows_workers
 
 
-def _ask(group: Any, probe: Callable[[Any], str | None]) -> str | None:
+def _ask(group: Any, probe: Callable[[Any], str | None] = _probe) -> str | None:
     handles = list(getattr(group, "workers", None) or [])
     if not handles:  # no Ray actors: the group runs the actor in this process
         return probe(None)
