@@ -33,6 +33,7 @@ from grpo_patches import api
 from . import metrics as verl_metrics
 from . import placeholder
 from .config_value import config_value
+from .old_logprobs import needed_elsewhere
 from .old_logprob_rows_plan import data_parallel_size, filter_drops_zero_rows, needed_rows, pass_row_multiple
 from .skip_guarantee import expect_substitution, trainer_state, workers_substitute_rows
 
@@ -104,8 +105,6 @@ def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: An
 
 def _why_every_row(trainer: Any, batch: Any, options: Any) -> str | None:
     """Why the pass runs on every row now (``""``: logprob_skip's whole-batch case), or ``None``: deferred."""
-    from .old_logprobs import _needed_elsewhere
-
     actor = trainer.config.actor_rollout_ref.actor
     dp = data_parallel_size(trainer)
     n = int(config_value(trainer.config, "actor_rollout_ref.rollout.n", 1))
@@ -113,7 +112,7 @@ def _why_every_row(trainer: Any, batch: Any, options: Any) -> str | None:
     epochs = int(actor.get("ppo_epochs", 1))
     if mini_batches * epochs <= 1:
         return "" if options.logprob_skip else "one optimizer step consumes the batch (logprob_skip=False runs it)"
-    elsewhere = _needed_elsewhere(trainer, batch)
+    elsewhere = needed_elsewhere(trainer, batch)
     if elsewhere:
         return elsewhere
     if epochs > 1 and not filter_drops_zero_rows(trainer):

@@ -44,7 +44,7 @@ def _consumptions(trainer: Any, batch: Any) -> int:
     return -(-rows // mini) * int(actor.get("ppo_epochs", 1))
 
 
-def _needed_elsewhere(trainer: Any, batch: Any) -> str | None:
+def needed_elsewhere(trainer: Any, batch: Any) -> str | None:
     config = trainer.config
     actor = config.actor_rollout_ref.actor
     if config_value(config, "algorithm.use_kl_in_reward", False):
@@ -72,7 +72,7 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
     from grpo_patches.recompute import explain
 
     consumptions = _consumptions(instance, batch)
-    elsewhere = _needed_elsewhere(instance, batch)
+    elsewhere = needed_elsewhere(instance, batch)
     compute = hook().grpo_recompute_old_logps(framework="verl", consumptions_left=consumptions, window_steps_left=1,
                                               needed_elsewhere=elsewhere is not None)
     if compute is None or compute:
