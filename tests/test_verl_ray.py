@@ -108,9 +108,10 @@ PROBE = textwrap.dedent(
         envs = {"patched": {"GRPO_PATCHES": "verl"}, "unpatched": {}}
         workers = {k: Worker.options(runtime_env={"env_vars": v}).remote() for k, v in envs.items()}
         ray.get([w.ready.remote() for w in workers.values()])
-        from grpo_patches.adapters.verl.skip_guarantee import _ask
+        from grpo_patches.adapters.verl.skip_guarantee import _ask, _probe_rows
         out = {k: _ask(SimpleNamespace(workers=[w])) for k, w in workers.items()}
         out["mixed"] = _ask(SimpleNamespace(workers=[workers["patched"], workers["unpatched"]]))
+        out["rows"] = {k: _ask(SimpleNamespace(workers=[w]), _probe_rows) for k, w in workers.items()}
     finally:
         ray.shutdown()
     print("RESULT " + json.dumps(out))
@@ -141,3 +142,5 @@ def test_the_trainer_asks_its_ray_workers_whether_they_substitute(tmp_path):
     assert out["patched"] is None, out
     assert "not enabled in the worker" in out["unpatched"] and "GRPO_PATCHES=verl" in out["unpatched"]
     assert out["mixed"] == out["unpatched"]  # one worker without the substitution is enough to keep the pass
+    # the minimal pass's row substitution (recompute, on by default): the same question, its own records
+    assert out["rows"]["patched"] is None and "not enabled in the worker" in out["rows"]["unpatched"], out["rows"]

@@ -19,6 +19,10 @@ the line whose internals it wraps. Records on one attribute stack in table order
   skipped pass leaves a NaN placeholder the workers key their substitution on
   (:mod:`.placeholder`); the trainer skips only when its workers substitute and stops when an
   update does not confirm it (:mod:`.skip_guarantee`).
+- the minimal old-logprob pass (``recompute``, :mod:`.old_logprob_rows`: the legacy ``RayPPOTrainer``
+  defers the pass to the update and runs it only on the rows a loss reads after an optimizer step,
+  :mod:`.old_logprob_rows_plan`; :mod:`.old_logprob_rows_worker`: the other rows get the current
+  log-probs before the first step, or the run stops). The V1 trainer runs the full pass.
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
   :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
@@ -127,6 +131,10 @@ PATCHES = bypassable((
                 versions=LEGACY, option="logprob_skip"),
     PatchTarget(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", f"{_HERE}.reference:forward_backward_batch",
                 versions=ENGINE, option="logprob_skip"),
+    # the minimal old-logprob pass (recompute): deferred to the update, run on the rows a loss reads
+    # after an optimizer step; inside the whole-pass skip (logprob_skip), outside the update's check
+    PatchTarget(RAY_TRAINER, "RayPPOTrainer._compute_old_log_prob", f"{_HERE}.old_logprob_rows:compute_old_log_prob",
+                versions=">=0.7", option="recompute"),
     # old-logprob pass on on-policy updates (0.7's legacy actor ignores it there)
     PatchTarget(RAY_TRAINER, "RayPPOTrainer._compute_old_log_prob", f"{_HERE}.old_logprobs:compute_old_log_prob",
                 versions=">=0.7", option="logprob_skip"),
@@ -136,6 +144,18 @@ PATCHES = bypassable((
                 versions=">=0.7", option="logprob_skip"),
     PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._update_actor",
                 f"{_HERE}.skip_guarantee:update_actor_v1", versions=">=0.9", option="logprob_skip"),
+    PatchTarget(RAY_TRAINER, "RayPPOTrainer._update_actor", f"{_HERE}.old_logprob_rows:update_actor",
+                versions=">=0.7", option="recompute"),
+    # the minimal pass's worker side: skipped rows get the current log-probs before the first optimizer step
+    *(PatchTarget(module, attribute, f"{_HERE}.old_logprob_rows_worker:{wrapper}", versions=versions,
+                  option="recompute")
+      for module, attribute, wrapper, versions in (
+          (DP_ACTOR, "get_policy_loss_fn", "get_policy_loss_fn", OLD_SKIP),
+          (DP_ACTOR, "DataParallelPPOActor.update_policy", "update_policy", OLD_SKIP),
+          (DP_ACTOR, "DataParallelPPOActor._optimizer_step", "optimizer_step", OLD_SKIP),
+          (LOSSES, "get_policy_loss_fn", "get_policy_loss_fn", ENGINE_OLD_SKIP),
+          (ENGINE_WORKERS, "TrainingWorker.train_mini_batch", "train_mini_batch", ENGINE_OLD_SKIP),
+          (ENGINE_WORKERS, "TrainingWorker.train_batch", "optimizer_step", ENGINE_OLD_SKIP))),
     PatchTarget(ENGINE_WORKERS, "TrainingWorker.train_mini_batch", f"{_HERE}.old_logprobs_engine:train_mini_batch",
                 versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step", f"{_HERE}.old_logprobs_engine:forward_step",
@@ -180,8 +200,7 @@ PATCHES = bypassable((
 ))
 
 #: options with no effect of their own in verl, and what they do here instead (status() notes)
-NOT_APPLICABLE = {"recompute": "verl computes old log-probs for every batch; logprob_skip skips that pass when "
-                               "the update is provably on-policy (the grpo_recompute_old_logps hook decides)"}
+NOT_APPLICABLE: dict[str, str] = {}
 
 ADAPTER = Adapter(name="verl", distribution="verl", supported=">=0.6.1,<0.10", patches=PATCHES,
                   not_applicable=NOT_APPLICABLE)

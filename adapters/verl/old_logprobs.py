@@ -44,7 +44,7 @@ def _consumptions(trainer: Any, batch: Any) -> int:
     return -(-rows // mini) * int(actor.get("ppo_epochs", 1))
 
 
-def _needed_elsewhere(trainer: Any, batch: Any) -> str | None:
+def needed_elsewhere(trainer: Any, batch: Any) -> str | None:
     config = trainer.config
     actor = config.actor_rollout_ref.actor
     if config_value(config, "algorithm.use_kl_in_reward", False):
@@ -72,7 +72,7 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
     from grpo_patches.recompute import explain
 
     consumptions = _consumptions(instance, batch)
-    elsewhere = _needed_elsewhere(instance, batch)
+    elsewhere = needed_elsewhere(instance, batch)
     compute = hook().grpo_recompute_old_logps(framework="verl", consumptions_left=consumptions, window_steps_left=1,
                                               needed_elsewhere=elsewhere is not None)
     if compute is None or compute:
@@ -135,6 +135,12 @@ def _v1_needed_elsewhere(trainer: Any) -> str | None:
     return None
 
 
+#: What ``recompute`` does on the V1 trainer (a status note on its class).
+V1_RECOMPUTE = ("the V1 trainer runs the old-logprob pass on every row (logprob_skip still skips it on one-step "
+                "batches); the minimal pass (rows a loss reads after an optimizer step) covers the legacy "
+                "RayPPOTrainer: trainer.use_v1=False")
+
+
 def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of 0.9's v1 ``PPOTrainer._compute_old_log_prob(batch, metrics) -> batch``.
 
@@ -143,6 +149,8 @@ def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tu
     verl's later ``kv_batch_put`` calls return fresh metadata); no ``entropy`` field and no
     ``actor/entropy`` metric here: the actor's update logs ``actor/entropy`` from its own forward."""
     options = api.active_options("verl")
+    if options is not None and options.recompute and instance is not None:
+        api.note("verl", "recompute", V1_RECOMPUTE, owner=instance)
     if options is None or not options.logprob_skip or instance is None:
         return wrapped(*args, **kwargs)
     batch = args[0] if args else kwargs["batch"]

@@ -26,6 +26,9 @@ from grpo_patches.errors import GrpoPatchesError
 
 #: float32 bits of the placeholder: a quiet NaN (exponent all ones, quiet bit set) with payload 0x25_4750.
 BITS = 0x7FE54750
+#: float32 bits of a row-level placeholder (the minimal pass's skipped rows, :mod:`.old_logprob_rows`):
+#: a different payload, so the whole-pass skip's checks never mistake a partly skipped batch for theirs.
+ROW_BITS = 0x7FE54751
 FIX = "pass logprob_skip=False to grpo_patches.enable(...) (GRPO_PATCHES_OPTIONS=logprob_skip=0)"
 
 
@@ -40,13 +43,25 @@ def like(t: Any) -> Any:
     return torch.full(tuple(t.shape), BITS, dtype=torch.int32).view(torch.float32)
 
 
-def _flags(t: Any) -> Any:
+def rows_like(t: Any) -> Any:
+    """A float32 row-level placeholder of ``t``'s shape (:data:`ROW_BITS` on every element)."""
+    import torch
+
+    return torch.full(tuple(t.shape), ROW_BITS, dtype=torch.int32).view(torch.float32)
+
+
+def _flags(t: Any, bits: int = BITS) -> Any:
     import torch
 
     values = t.values() if getattr(t, "is_nested", False) else t
     if values.dtype != torch.float32:
         return torch.zeros(values.shape, dtype=torch.bool)  # a float32 placeholder converted: not ours any more
-    return values.detach().contiguous().view(torch.int32) == BITS
+    return values.detach().contiguous().view(torch.int32) == bits
+
+
+def row_flags(t: Any) -> Any:
+    """Where ``t`` holds the row-level placeholder (a bool tensor of ``t``'s shape, or its values')."""
+    return _flags(t, ROW_BITS)
 
 
 def fills(t: Any) -> bool:
@@ -88,7 +103,7 @@ def guard_policy_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, k
 
     def guarded(*a: Any, **kw: Any) -> Any:
         old = kw.get("old_log_prob", a[0] if a else None)
-        if old is not None and present(old):
+        if old is not None and (present(old) or bool(row_flags(old).any())):
             raise PlaceholderError(
                 "grpo_patches: a skipped old-logprob pass's placeholder reached verl's policy loss as the old "
                 "log-probs (the trainer skipped the pass, and this update's worker did not substitute the "

@@ -50,19 +50,25 @@ class TrainerState:
 
     :ivar workers: ``None`` once every actor-update process was seen to substitute, else why
         not (``_UNKNOWN`` before the first probe).
-    :ivar pending: the last old-logprob pass was skipped; the next actor update must confirm.
+    :ivar pending: the last old-logprob pass was skipped (``"pass"``) or ran on some rows only
+        (``"rows"``); the next actor update must confirm.
+    :ivar rows_workers: like ``workers``, for the minimal pass's row substitution (``recompute``).
+    :ivar deferred: the minimal pass deferred until the update (:mod:`.old_logprob_rows`).
     """
 
     workers: Any = _UNKNOWN
-    pending: bool = False
+    pending: str | bool = False
+    rows_workers: Any = _UNKNOWN  # the same for the minimal pass's row substitution (option recompute)
+    deferred: Any = None  # the minimal pass deferred to the update (:mod:`.old_logprob_rows`)
 
 
 def trainer_state(trainer: Any) -> TrainerState:
     return instance_state.state_of(trainer, "verl", TrainerState)
 
 
-def worker_ready() -> str | None:
-    """In a process that updates the actor: ``None`` when it substitutes skipped old log-probs, else why not."""
+def worker_ready(option: str = "logprob_skip") -> str | None:
+    """In a process that updates the actor: ``None`` when it substitutes skipped old log-probs
+    (the whole pass's with ``logprob_skip``, skipped rows' with ``recompute``), else why not."""
     import grpo_patches
 
     verl = grpo_patches.status()["verl"]
@@ -70,14 +76,14 @@ def worker_ready() -> str | None:
     options = verl.get("options")
     if not verl.get("patched") or options is None:
         return f"the verl adapter is not enabled in the worker ({where}): set GRPO_PATCHES=verl for every Ray worker"
-    if not options.get("logprob_skip"):
-        return f"logprob_skip is off in the worker ({where})"
+    if not options.get(option):
+        return f"{option} is off in the worker ({where})"
     import sys
 
     # the worker modules this process runs (an FSDP worker never imports the Megatron ones, and vice versa)
     modules = [m for m in (*WORKER_MODULES, *MEGATRON_WORKER_MODULES) if m in sys.modules]
     rows = [r for r in verl.get("patches", []) if r["target"].partition(":")[0] in modules
-            and r["option"] in ("logprob_skip", None)]
+            and r["option"] in (option, None)]
     missing = sorted({r["target"] for r in rows if r["state"] != "applied"})
     if not rows or missing:
         return f"the worker's substitution is not in place ({where}: {', '.join(missing) or 'no records'})"
@@ -89,30 +95,45 @@ def _probe(actor: Any) -> str | None:
     return worker_ready()
 
 
+def _probe_rows(actor: Any) -> str | None:
+    """:func:`_probe` for the minimal pass's row substitution (option ``recompute``)."""
+    return worker_ready("recompute")
+
+
 def workers_substitute(trainer: Any) -> str | None:
     """``None`` when every process that updates ``trainer``'s actor substitutes, else why not (cached)."""
     own = trainer_state(trainer)
     if own.workers is _UNKNOWN:
-        own.workers = _ask(getattr(trainer, "actor_rollout_wg", None))
+        own.workers = _ask(getattr(trainer, "actor_rollout_wg", None), _probe)
     return own.workers
 
 
-def _ask(group: Any) -> str | None:
+def workers_substitute_rows(trainer: Any) -> str | None:
+    """:func:`workers_substitute` for skipped rows (the minimal pass, option ``recompute``; cached)."""
+    own = trainer_state(trainer)
+    if own.rows_workers is _UNKNOWN:
+        own.rows_workers = _ask(getattr(trainer, "actor_rollout_wg", None), _probe_rows)
+    return own.rows_workers
+
+
+def _ask(group: Any, probe: Callable[[Any], str | None] = _probe) -> str | None:
     handles = list(getattr(group, "workers", None) or [])
     if not handles:  # no Ray actors: the group runs the actor in this process
-        return worker_ready()
+        return probe(None)
     try:
         import ray
 
-        answers = ray.get([h.__ray_call__.remote(_probe) for h in handles], timeout=120)
+        answers = ray.get([h.__ray_call__.remote(probe) for h in handles], timeout=120)
     except Exception as exc:  # noqa: BLE001  (any failure: the pass runs)
         return f"could not ask the actor's Ray workers whether they substitute ({type(exc).__name__}: {exc})"
     problems = sorted({a for a in answers if a is not None})
     return "; ".join(problems) if problems else None
 
 
-def expect_substitution(trainer: Any) -> None:
-    trainer_state(trainer).pending = True
+def expect_substitution(trainer: Any, what: str = "pass") -> None:
+    """The next actor update must confirm the substitution: of a skipped ``"pass"`` (counted as
+    ``old_logprob_passes_skipped``) or of skipped ``"rows"`` (the minimal pass counts its own)."""
+    trainer_state(trainer).pending = what
 
 
 def _confirmed(metrics: dict) -> bool:
@@ -144,7 +165,7 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     metrics = getattr(output, "meta_info", {}).get("metrics", {})
     adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
     _check(expected, metrics)
-    if expected:  # the saving, in verl's own metrics (the trainer logs its update's)
+    if expected == "pass":  # the saving, in verl's own metrics (the trainer logs its update's)
         metrics[SKIPPED] = 1.0
     return output
 
@@ -159,6 +180,6 @@ def update_actor_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     output = wrapped(*args, **kwargs)
     adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
     _check(expected, metrics)
-    if expected and metrics is not None:
+    if expected == "pass" and metrics is not None:
         metrics[SKIPPED] = 1.0
     return output

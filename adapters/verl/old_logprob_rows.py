@@ -1,0 +1,129 @@
+"""The minimal old-logprob pass (option ``recompute``): trainer side of verl's ``RayPPOTrainer``.
+
+verl runs the old-logprob pass on every row of every batch. With ``k`` mini-batches, the rows
+each data-parallel rank consumes in its first mini-batch of the first epoch are read before
+any optimizer step (their old log-probs are the current ones), and with the zero-advantage
+filter packing rows a row whose advantage is exactly 0 never reaches a loss. So:
+
+* ``_compute_old_log_prob`` (wrapped) defers the pass: the trainer gets the row-level
+  placeholder (:mod:`.placeholder`) for ``old_log_probs`` (and ``entropys``: the trainer's
+  ``actor/entropy`` is NaN, i.e. not computed, and ``perf/mfu/actor_infer`` too);
+* ``_update_actor`` (wrapped), once the advantages exist and before any weight changes
+  (verl's reference, critic and advantage stages in between leave the actor alone and read
+  no old log-probs), runs verl's own ``_compute_old_log_prob`` on the rows of
+  :func:`.old_logprob_rows_plan.needed_rows` (``DataProto.select_idxs``, padded with repeats
+  of its first row to a multiple of the data-parallel size, as the workers' dispatch needs)
+  and scatters them back; the other rows keep the placeholder, which the patched worker
+  replaces by the detached current log-probs in the loss (:mod:`.old_logprob_rows_worker`),
+  and the update must confirm it did (:mod:`.skip_guarantee`), or the run stops.
+
+Saving: ``grpo_patches/old_logprob_rows_skipped`` in the update's metrics (and ``status()``):
+the rows verl's pass would have computed (the whole batch) minus those the pass ran on.
+The full pass runs, with the reason in ``status()``, when something else reads the old
+log-probs, when one optimizer step consumes the batch (``logprob_skip``'s case), when every row
+is needed, under verify mode, on the Megatron workers, or when the workers do not substitute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from grpo_patches import api
+
+from . import metrics as verl_metrics
+from . import placeholder
+from .config_value import config_value
+from .old_logprobs import needed_elsewhere
+from .old_logprob_rows_plan import data_parallel_size, filter_drops_zero_rows, needed_rows, pass_row_multiple
+from .skip_guarantee import expect_substitution, trainer_state, workers_substitute_rows
+
+NOTE = "old_logprob_pass"
+
+
+def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``RayPPOTrainer._compute_old_log_prob(batch) -> (DataProto, mfu)``: defer the pass."""
+    options = api.active_options("verl")
+    if options is None or not options.recompute or instance is None:
+        return wrapped(*args, **kwargs)
+    batch = args[0] if args else kwargs["batch"]
+    own = trainer_state(instance)
+    own.deferred = None
+    why = _why_every_row(instance, batch, options)
+    if why is not None:
+        if why:  # "" : logprob_skip's case, noted by its own wrapper
+            api.note("verl", NOTE, f"computed for every row: {why}", owner=instance)
+        return wrapped(*args, **kwargs)
+    from verl import DataProto
+
+    own.deferred = wrapped
+    mask = batch.batch["response_mask"]
+    api.note("verl", NOTE, "deferred to the update: computed only for the rows a loss reads after an optimizer "
+             "step (recompute)", owner=instance)
+    return DataProto.from_dict(tensors={"old_log_probs": placeholder.rows_like(mask),
+                                        "entropys": placeholder.rows_like(mask)}), float("nan")
+
+
+def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``RayPPOTrainer._update_actor(batch)``: run the deferred pass on the needed rows."""
+    own = trainer_state(instance) if instance is not None else None
+    deferred = own.deferred if own is not None else None
+    if deferred is None:
+        return wrapped(*args, **kwargs)
+    own.deferred = None
+    batch = args[0] if args else kwargs["batch"]
+    needed = needed_rows(instance, batch)
+    computed = _run_pass(deferred, instance, batch, needed)
+    if not bool(needed.all()):
+        expect_substitution(instance, "rows")  # the update must confirm that its workers substituted
+    output = wrapped(*args, **kwargs)
+    skipped = len(batch) - computed
+    verl_metrics.report(getattr(output, "meta_info", {}).setdefault("metrics", {}), old_logprob_rows_skipped=skipped)
+    api.note("verl", NOTE, f"minimal pass (recompute): {computed} of {len(batch)} rows computed in the last step",
+             owner=instance)
+    return output
+
+
+def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: Any) -> int:
+    """verl's pass on the ``needed`` rows (padded for the dispatch), scattered into ``batch``; rows computed."""
+    import torch
+
+    index = torch.nonzero(needed).flatten()
+    if index.numel() == 0:
+        return 0
+    pad = (-index.numel()) % pass_row_multiple(trainer)
+    rows = torch.cat([index, index[:1].repeat(pad)]) if pad else index
+    subset = batch.select_idxs(rows)
+    subset.meta_info = dict(batch.meta_info)  # select_idxs shares the dict: the update reads the batch's own
+    if "global_token_num" in batch.meta_info:  # verl's MFU estimate reads one length per row
+        subset.meta_info["global_token_num"] = [batch.meta_info["global_token_num"][i] for i in rows.tolist()]
+    out, _ = deferred(subset)
+    old = batch.batch["old_log_probs"].clone()
+    old[index] = out.batch["old_log_probs"][: index.numel()].to(old.dtype)
+    batch.batch["old_log_probs"] = old
+    return int(rows.numel())
+
+
+def _why_every_row(trainer: Any, batch: Any, options: Any) -> str | None:
+    """Why the pass runs on every row now (``""``: logprob_skip's whole-batch case), or ``None``: deferred."""
+    actor = trainer.config.actor_rollout_ref.actor
+    dp = data_parallel_size(trainer)
+    n = int(config_value(trainer.config, "actor_rollout_ref.rollout.n", 1))
+    mini_batches = -(-(len(batch) // dp) // max(int(actor.ppo_mini_batch_size) * n // dp, 1))
+    epochs = int(actor.get("ppo_epochs", 1))
+    if mini_batches * epochs <= 1:
+        return "" if options.logprob_skip else "one optimizer step consumes the batch (logprob_skip=False runs it)"
+    elsewhere = needed_elsewhere(trainer, batch)
+    if elsewhere:
+        return elsewhere
+    if epochs > 1 and not filter_drops_zero_rows(trainer):
+        return "every row is read after an optimizer step (ppo_epochs > 1, no zero-advantage filter dropping rows)"
+    if options.verify_every is not None:
+        return "verify mode (verify_every) compares the whole pass"
+    if config_value(trainer.config, "actor_rollout_ref.actor.strategy", "fsdp") == "megatron":
+        return "the Megatron workers have no row substitution"
+    if config_value(trainer.config, "actor_rollout_ref.actor.router_replay.mode", "disabled") != "disabled":
+        return "router replay reads the pass's routed experts"
+    if len(batch) % dp:
+        return f"{len(batch)} rows do not split evenly over {dp} data-parallel ranks"
+    why = workers_substitute_rows(trainer)
+    return f"the workers do not substitute skipped rows: {why}" if why else None
