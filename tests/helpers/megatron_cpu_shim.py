@@ -94,7 +94,7 @@ def no_cuda_extension_builds() -> None:
 
     megatron-core 0.15 builds its unified-memory allocator when ``megatron.core`` is imported and
     catches ``RuntimeError``; with no GPU, torch fails before that (``IndexError`` from the empty CUDA
-    arch list), or, with ``TORCH_CUDA_ARCH_LIST`` set, spends seconds in nvcc in every process.
+    arch list), or, with ``TORCH_CUDA_ARCH_LIST`` set, runs nvcc in every process to fail there.
     Needs to run before ``megatron.core`` is first imported (it binds ``load_inline`` at import)."""
     from torch.utils import cpp_extension
 

@@ -9,7 +9,8 @@ Test-only adjustments, none of them to a verl function body:
 * verl's Megatron config accepts bf16 / fp16 only: ``McoreEngineConfig``'s validation runs with
   ``bfloat16`` and the fp32 the worker built the model in is put back after it;
 * fp32 on CPU; bf16 on the gpu tier (``GRPO_PATCHES_TIER=gpu``: NCCL, Transformer Engine layers);
-* BSHD (``use_remove_padding=False``: the THD layout needs Transformer Engine's attention), dropout 0,
+* BSHD (``use_remove_padding=False``: the THD layout needs Transformer Engine's attention; verl 0.6.1
+  packs THD always, which the shim's local attention takes), dropout 0,
   SGD without momentum or clipping (megatron-core's clip asserts CUDA tensors; the gradient is
   recorded before the step).
 
