@@ -60,6 +60,11 @@ def tolerance(workers):
     return max(TOL, 2 * noise)
 
 
+def _values(metric: list) -> list:
+    """A metric's values: verl 0.6.1's ``append_to_dict`` nests each micro-batch's list, 0.7 extends."""
+    return [v for item in metric for v in (item if isinstance(item, list) else [item])]
+
+
 @pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
 @pytest.mark.parametrize("agg", h.AGG_MODES)
 def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dynamic, n_mini, zero,
@@ -74,8 +79,9 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dyn
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT, (ref.grad_rows, got.grad_rows)
     assert got.forwards < ref.forwards
     # verl's pg_loss: the same sum and mean over the original micro-batches
-    assert len(got.metrics["actor/pg_loss"]) == len(ref.metrics["actor/pg_loss"])
-    assert sum(got.metrics["actor/pg_loss"]) == pytest.approx(sum(ref.metrics["actor/pg_loss"]), rel=1e-5, abs=1e-7)
+    got_loss, ref_loss = _values(got.metrics["actor/pg_loss"]), _values(ref.metrics["actor/pg_loss"])
+    assert len(got_loss) == len(ref_loss)
+    assert sum(got_loss) == pytest.approx(sum(ref_loss), rel=1e-5, abs=1e-7)
     assert "actor/pg_clipfrac/kept_rows" in got.metrics and "actor/pg_clipfrac" not in got.metrics
     assert got.metrics["grpo_patches/rows_dropped"] == KEPT and got.status["savings"]["rows_dropped"] == KEPT
 
@@ -163,6 +169,35 @@ def test_tiled_loss_true_is_one_clear_error(workers):
 
     with pytest.raises(GrpoPatchesError, match="tiled_loss"):
         workers["plain"].run({"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False})
+
+
+def test_the_worker_computes_the_hf_models_log_probs(workers, record_property):
+    """The CPU shims change no arithmetic: the worker's own ``compute_log_prob`` (mbridge's weights in
+    megatron-core's local layers; BSHD on 0.7, packed THD sequences through the shim's block-causal
+    mask on 0.6.1) gives the tiny HF Qwen2's log-probs. Without this the exactness tests would compare
+    two runs of a wrong model."""
+    from verl import DataProto
+
+    if mh.GPU:
+        pytest.skip("the cpu tier's check of its shims (the gpu tier runs Transformer Engine's layers)")
+    batch = h.make_batch()
+    with torch.no_grad():
+        logits = h.tiny_model(0)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 position_ids=batch["position_ids"]).logits
+    response = batch["responses"].shape[1]
+    hf = torch.log_softmax(logits[:, -response - 1 : -1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
+    tensors = {k: v for k, v in batch.items() if k != "old_log_probs"}
+    data = DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0,
+                                                           "global_token_num": batch["attention_mask"].sum(-1).tolist()})
+    worker = workers["plain"]
+    for module, state in zip(worker.modules, worker.initial):  # earlier tests stepped the weights
+        module.load_state_dict(state, strict=False)
+    worker.configure()
+    got = worker.worker.compute_log_prob(data).batch["old_log_probs"]
+    mask = batch["response_mask"].bool()
+    err = (got[mask] - hf[mask]).abs().max().item()
+    record_property("megatron_legacy_log_prob_vs_hf_abs", err)
+    assert err <= 1e-5, err
 
 
 # --- two processes: tensor parallel 2, pipeline parallel 2, data parallel 2 ----------------------

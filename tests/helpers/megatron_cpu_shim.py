@@ -10,7 +10,9 @@ bridges build Transformer Engine layers. On a CPU machine:
 * ``CudaRNGStatesTracker.fork`` is a no-op context and ``add`` remembers the name only (there is
   no CUDA generator; dropout is 0 in the tests, so no random stream is consumed);
 * the bridges' layer spec is megatron-core's local one (``use_transformer_engine=False``):
-  mbridge asks for Transformer Engine layers unconditionally (:func:`mbridge_local_layers`).
+  mbridge asks for Transformer Engine layers unconditionally (:func:`mbridge_local_layers`);
+* no CUDA extension is built (:func:`no_cuda_extension_builds`): megatron-core 0.15 compiles a
+  unified-memory allocator with ``load_inline(with_cuda=True)`` when ``megatron.core`` is imported.
 
 Call :func:`install` before megatron-core builds anything.
 """
@@ -66,6 +68,7 @@ def install() -> None:
     """Install the shim once per process (idempotent)."""
     if _MODE:
         return
+    no_cuda_extension_builds()
     mode = CudaToCpu()
     mode.__enter__()  # for the whole process: megatron allocates at import, build and step time
     _MODE.append(mode)
@@ -84,6 +87,28 @@ def install() -> None:
         torch.cuda.nvtx.range_push = lambda *a, **k: None
         torch.cuda.nvtx.range_pop = lambda *a, **k: None
     _rng_tracker()
+
+
+def no_cuda_extension_builds() -> None:
+    """``load_inline(with_cuda=True)`` raises ``RuntimeError`` at once, as a failed build does.
+
+    megatron-core 0.15 builds its unified-memory allocator when ``megatron.core`` is imported and
+    catches ``RuntimeError``; with no GPU, torch fails before that (``IndexError`` from the empty CUDA
+    arch list), or, with ``TORCH_CUDA_ARCH_LIST`` set, runs nvcc in every process to fail there.
+    Needs to run before ``megatron.core`` is first imported (it binds ``load_inline`` at import)."""
+    from torch.utils import cpp_extension
+
+    original = cpp_extension.load_inline
+    if getattr(original, "_grpo_patches_no_cuda", False):
+        return
+
+    def load_inline(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("with_cuda"):
+            raise RuntimeError("no CUDA extension is built on a CPU machine (tests/helpers/megatron_cpu_shim.py)")
+        return original(*args, **kwargs)
+
+    load_inline._grpo_patches_no_cuda = True  # type: ignore[attr-defined]
+    cpp_extension.load_inline = load_inline
 
 
 def _rng_tracker() -> None:
@@ -141,10 +166,17 @@ def mbridge_local_layers() -> None:
 
 
 def _causal_local_attention() -> None:
-    """verl's BSHD layout hands the model a 2-D ``[batch, seq]`` padding mask (Transformer Engine's
-    convention); the local ``DotProductAttention`` wants ``[batch, 1, seq, seq]``. Rows are
-    right-padded and attention is causal, so a real token never sees padding: the local attention
-    gets no mask and builds its causal one (padding positions' outputs are never read)."""
+    """The local ``DotProductAttention`` on the layouts verl hands it (Transformer Engine's conventions).
+
+    * BSHD: verl passes a 2-D ``[batch, seq]`` padding mask; the local attention wants
+      ``[batch, 1, seq, seq]``. Rows are right-padded and attention is causal, so a real token never
+      sees padding: the local attention gets no mask and builds its causal one (padding positions'
+      outputs are never read).
+    * THD (packed sequences, the only layout of verl 0.6.1's legacy Megatron actor): the local
+      attention refuses ``packed_seq_params``; it gets the packed tokens as one ``[tokens, 1, ...]``
+      sequence and a block-diagonal causal mask over the (padded) sequence boundaries instead, so a
+      token sees exactly its own sequence's earlier tokens, as Transformer Engine's varlen kernel does.
+    """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     original = DotProductAttention.forward
@@ -152,12 +184,26 @@ def _causal_local_attention() -> None:
         return
 
     def forward(self: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        if attention_mask is not None and attention_mask.dim() == 2:
+        packed = kwargs.get("packed_seq_params")
+        if packed is not None and packed.qkv_format == "thd":
+            kwargs["packed_seq_params"] = None
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # [t, heads, d] -> [t, 1, heads, d]
+            attention_mask = _packed_causal_mask(packed, query.shape[0])
+        elif attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = None
         return original(self, query, key, value, attention_mask, *args, **kwargs)
 
     forward._grpo_patches_causal = True  # type: ignore[attr-defined]
     DotProductAttention.forward = forward
+
+
+def _packed_causal_mask(packed: Any, tokens: int) -> torch.Tensor:
+    """``[1, 1, tokens, tokens]``, True where attention is masked: another sequence, or a later token."""
+    bounds = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+    position = torch.arange(tokens)
+    sequence = torch.bucketize(position, bounds[1:].to(torch.long).cpu(), right=True)  # each token's sequence
+    masked = (sequence[:, None] != sequence[None, :]) | (position[None, :] > position[:, None])
+    return masked[None, None]
 
 
 #: The local spec's norm weights and the Transformer Engine names (norm fused into the next linear)

@@ -58,6 +58,7 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     if not GPU:
         from grpo_patches.testing import verl_cpu_shim
 
+        megatron_cpu_shim.no_cuda_extension_builds()  # before verl's engine modules import megatron.core
         verl_cpu_shim.install()
         megatron_cpu_shim.install()
         megatron_cpu_shim.mbridge_local_layers()

@@ -9,7 +9,8 @@ Test-only adjustments, none of them to a verl function body:
 * verl's Megatron config accepts bf16 / fp16 only: ``McoreEngineConfig``'s validation runs with
   ``bfloat16`` and the fp32 the worker built the model in is put back after it;
 * fp32 on CPU; bf16 on the gpu tier (``GRPO_PATCHES_TIER=gpu``: NCCL, Transformer Engine layers);
-* BSHD (``use_remove_padding=False``: the THD layout needs Transformer Engine's attention), dropout 0,
+* BSHD (``use_remove_padding=False``: the THD layout needs Transformer Engine's attention; verl 0.6.1
+  packs THD always, which the shim's local attention takes), dropout 0,
   SGD without momentum or clipping (megatron-core's clip asserts CUDA tensors; the gradient is
   recorded before the step).
 
@@ -96,10 +97,16 @@ def worker_config(path: str, *, tp: int, pp: int, dp: int, mbs: int, max_tokens:
     override = {"attention_dropout": 0.0, "hidden_dropout": 0.0, "sequence_parallel": False}
     if per_token:
         override["calculate_per_token_loss"] = True
-    actor.megatron.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_mbridge=True,
-                          vanilla_mbridge=True, dtype=mh.DTYPE, use_remove_padding=False, sequence_parallel=False,
-                          use_distributed_optimizer=False, override_transformer_config=override)
-    optimizer = {"sgd_momentum": 0.0}  # no optimizer state carried from one run to the next
+    from verl.workers.config.engine import McoreEngineConfig
+
+    # vanilla_mbridge (0.7: mbridge rather than Megatron-Bridge) is absent from 0.6.1, which has mbridge only
+    actor.megatron.update(mh._supported(McoreEngineConfig, tensor_model_parallel_size=tp,
+                                        pipeline_model_parallel_size=pp, use_mbridge=True, vanilla_mbridge=True,
+                                        dtype=mh.DTYPE, use_remove_padding=False, sequence_parallel=False,
+                                        use_distributed_optimizer=False, override_transformer_config=override))
+    # no optimizer state carried from one run to the next; verl 0.6.1 asks for megatron-core's distributed
+    # optimizer whatever megatron.use_distributed_optimizer says (that one refuses SGD)
+    optimizer = {"sgd_momentum": 0.0, "use_distributed_optimizer": False}
     if mh.DTYPE == "float32":
         optimizer.update(bf16=False, fp16=False)
     actor.optim.update(optimizer="sgd", lr=0.05, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
@@ -141,9 +148,10 @@ class LegacyMegatronWorker:
         if self.current is None:
             return
         self.current.forwards += 1
-        ids = kwargs.get("input_ids")
+        ids, packed = kwargs.get("input_ids"), kwargs.get("packed_seq_params")
         if ids is not None and torch.is_grad_enabled():  # later pipeline stages get no input ids
-            self.current.grad_rows += int(ids.shape[0])
+            # verl 0.6.1 packs a micro-batch's rows into one THD sequence: count the packed rows
+            self.current.grad_rows += int(ids.shape[0]) if packed is None else len(packed.cu_seqlens_q) - 1
 
     def configure(self, **fields: Any) -> None:
         """Set actor config fields for the next run (verl's config objects are frozen dataclasses)."""
