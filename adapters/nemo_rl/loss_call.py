@@ -14,9 +14,9 @@ One record per tag line (the loss moved and changed signature):
 * Every tag: rows whose pass the driver skipped for a multi-step batch (``recompute``,
   :mod:`.prev_rows`) get the detached current log-probs (:mod:`.skipped_rows`).
 * Verify mode (v0.6.0+): on a verified global batch whose prev-logprob pass was skipped, the
-  log-probs the loss gets are measured against that pass (:func:`.verify.measure_prev`); v0.6.0,
+  log-probs the loss gets are measured against that pass (:func:`.verify_in_loss.measure_prev`); v0.6.0,
   when the reference pass was skipped: the loss with and without its placeholder
-  (:func:`.verify.measure_reference`).
+  (:func:`.verify_in_loss.measure_reference`).
 * Under the zero-advantage filter (``dropped_rows_metrics=False``) the metrics are made honest
   by :mod:`.metrics`; on v0.5.0 the filter's counters ride on the first micro-batch's
   metrics (its worker has no other way back, see :mod:`.filter_v050`).
@@ -32,7 +32,7 @@ from .calls import arguments
 from .metrics import adjust_kept_rows
 from .prev_rows import MARK
 from .skipped_rows import dropped_marked, substitute
-from .verify import measure_prev, measure_reference
+from .verify_in_loss import measure_prev, measure_reference
 from .state import (
     COUNTERS,
     CURRENT_V050,

@@ -18,9 +18,9 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
    on-policy path, reading that pass;
 3. compares, in this order, on every rank alike (each check one all-reduce):
    a skipped prev-logprob pass: the log-probs the patched loss used (the detached current ones)
-   against the pass, over the loss tokens (:func:`measure_prev`), ``grpo_patches/verify/old_logprob_max_abs_diff``;
+   against the pass, over the loss tokens (:func:`.verify_in_loss.measure_prev`), ``grpo_patches/verify/old_logprob_max_abs_diff``;
    a skipped reference pass (v0.6.0 at KL 0): the loss with its zero placeholder against the
-   loss with other values there (:func:`measure_reference`), ``grpo_patches/verify/reference_loss_max_abs_diff``
+   loss with other values there (:func:`.verify_in_loss.measure_reference`), ``grpo_patches/verify/reference_loss_max_abs_diff``
    (a difference cannot be undone: no reference model was built; ``"disable"`` raises too);
    filter / tiled loss: the step's gradient, relative L2, ``grpo_patches/verify/grad_rel_diff``
    (in bf16 / fp16 held to 10 x the noise floor: NeMo-RL's unpatched computation once more,
@@ -52,11 +52,12 @@ from typing import Any, Callable, Iterator
 
 from grpo_patches import verify, verify_log
 
-from .calls import arguments
 from grpo_patches.errors import ExactnessError
 
-from .skipped_rows import first_rows
+from .calls import arguments
+
 from .state import FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
+from .verify_results import fit_results
 
 SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
 #: ``<prefix><option>`` = 1 in the metrics of a call in which verification switched ``option`` off.
@@ -102,44 +103,6 @@ def forward_backward_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
     if not (prev or reference or (names and verify.due(FRAMEWORK, step))) or train.remake is None:
         return wrapped(*args, **kwargs)
     return GlobalBatchCheck(wrapped, call, train, step, names, prev, reference).run()
-
-
-def measure_prev(call: dict[str, Any]) -> None:
-    """In a loss call of a verified global batch whose prev-logprob pass was skipped: the largest
-    ``|current - prev|`` over its loss tokens (``prev_logprobs`` holds the real pass then)."""
-    train = active_train()
-    if train is None or train.prev_diff is None:
-        return
-    data, current = call["data"], call["next_token_logprobs"]
-    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
-    first = first_rows(data)  # a deferred pass: only the first optimizer step's rows used current log-probs
-    if first is not None:
-        mask = mask * first.to(mask.device, mask.dtype).unsqueeze(-1)
-    prev = data["prev_logprobs"][:, 1:].to(current.device)
-    width = min(int(current.shape[1]), int(prev.shape[1]))
-    measured = verify.max_abs_diff(current.detach()[:, :width], prev[:, :width], mask[:, :width].to(current.device))
-    train.prev_diff = max(train.prev_diff, measured)
-
-
-def measure_reference(loss: Callable[..., Any], call: dict[str, Any]) -> None:
-    """In a loss call of a verified global batch whose reference pass was skipped (its
-    log-probs are a zero placeholder): the loss with the placeholder against the loss with
-    other values in its place (the detached current log-probs), without autograd. A loss that
-    does not read them (KL penalty 0) gives exactly the same value."""
-    train = active_train()
-    if train is None or train.reference_diff is None or "reference_policy_logprobs" not in call["data"]:
-        return
-    import torch
-
-    data, current = call["data"], call["next_token_logprobs"].detach()
-    other = type(data)(data)
-    values = torch.zeros(data["reference_policy_logprobs"].shape, dtype=current.dtype, device=current.device)
-    values[:, 1:] = current[:, : values.shape[1] - 1]
-    other["reference_policy_logprobs"] = values.to(data["reference_policy_logprobs"].dtype)
-    with torch.no_grad():
-        without = loss(**{**call, "next_token_logprobs": current})[0]
-        with_values = loss(**{**call, "next_token_logprobs": current, "data": other})[0]
-    train.reference_diff = max(train.reference_diff, verify.max_abs_diff(with_values, without))
 
 
 @contextmanager
@@ -278,38 +241,6 @@ class GlobalBatchCheck:
             for name in ("rows_dropped", "tokens_dropped", "microbatches_dropped"):
                 setattr(self.train, name, getattr(self.train, name) - getattr(current, name))
             self.train.current = None
-
-
-def fit_results(results: list, valid: int, slots: int | None) -> list:
-    """NeMo-RL's unpatched per-micro-batch ``(loss, metrics)`` in the ``slots`` valid places its
-    ``train`` expects: it counts the valid micro-batches from the call it made, the patched one.
-    Fewer: padded with results it skips (no valid sample); more: the last ones merged into one
-    (losses and metrics summed, ``*_min`` / ``*_max`` combined), as ``train`` and ``grpo_train``
-    aggregate them anyway."""
-    if slots is None:
-        return results
-    kept = list(results[:valid])
-    if len(kept) > slots:
-        tail = kept[slots - 1:]
-        kept = kept[:slots - 1] + [(sum(loss for loss, _ in tail[1:]) + tail[0][0], _merged([m for _, m in tail]))]
-    while len(kept) < slots:
-        kept.append((kept[0][0] * 0 if kept else 0.0, {"num_valid_samples": 0}))
-    return kept
-
-
-def _merged(metrics: list[dict]) -> dict:
-    out = dict(metrics[0])
-    for more in metrics[1:]:
-        for key, value in more.items():
-            if key not in out:
-                out[key] = value
-            elif "_min" in key:
-                out[key] = min(out[key], value)
-            elif "_max" in key:
-                out[key] = max(out[key], value)
-            else:
-                out[key] = out[key] + value
-    return out
 
 
 def report(train: TrainCall, result: Any) -> None:
