@@ -8,9 +8,10 @@ timed apart. The GRPO config is verl's example one with the KL loss on at coeffi
 (``use_kl_loss=True, kl_loss_coef=0``: verl still builds and runs the reference) and one
 mini-batch, one epoch (verl computes old log-probs it then ignores); ``spec["mini_batches"]``
 = N sets ``ppo_mini_batch_size`` to 1/N of the batch (N optimizer steps per rollout batch).
-Rows handed to the old-logprob pass are counted by the worker group; the rows whose pass the
-patches skipped are read from verl's metrics (``grpo_patches/old_logprob_rows_skipped``, absent
-= 0). With ``variable_lengths`` the policy is the tiny model with a boosted ``<eos>``. Called by
+Rows through the old-logprob pass are counted by the worker group (net: with ``recompute`` the
+trainer's ``_update_actor`` hands it only the rows a loss reads after an optimizer step); the
+rows whose pass the patches skipped are read from verl's metrics
+(``grpo_patches/old_logprob_rows_skipped``, absent = 0). With ``variable_lengths`` the policy is the tiny model with a boosted ``<eos>``. Called by
 ``_framework_worker.py``.
 """
 
@@ -45,6 +46,11 @@ class _Group:
     def compute_log_prob(self, data: Any) -> Any:
         return self._log_probs(data, "old_log_probs", True)
 
+    def update_actor(self, data: Any) -> Any:
+        from verl import DataProto
+
+        return DataProto(meta_info={"metrics": self.actor.update_policy(data)})
+
     def compute_ref_log_prob(self, data: Any) -> Any:
         return self._log_probs(data, "ref_log_prob", False)
 
@@ -56,7 +62,7 @@ def _config(spec: dict[str, Any]) -> Any:
     return OmegaConf.create({
         "actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_coef": 0.0, "ppo_mini_batch_size": mini,
                                         "ppo_epochs": 1, "loss_agg_mode": "token-mean", "loss_scale_factor": None},
-                              "rollout": {"n": spec["generations"]}},
+                              "rollout": {"n": spec["generations"], "temperature": 1.0, "multi_turn": {"enable": False}}},
         "algorithm": {"use_kl_in_reward": False, "kl_ctrl": {"type": "fixed", "kl_coef": 0.0}, "adv_estimator": "grpo",
                       "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True},
     })
@@ -152,7 +158,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             batch = batch.union(trainer.ref_policy_wg.compute_ref_log_prob(batch))
         batch = ray_trainer.compute_advantage(batch, adv_estimator="grpo", num_repeat=spec["generations"],
                                               norm_adv_by_std_in_grpo=True, config=trainer.config.algorithm)
-        metrics = actor.update_policy(batch)
+        metrics = trainer._update_actor(batch).meta_info["metrics"]  # as fit() calls it (the deferred pass runs there)
         steps.append({"generation": generation, "trainer_side": time.perf_counter() - start,
                       "cpu_trainer_side": time.process_time() - cpu})  # CPU s: steadier on a shared host
         total += len(batch)
@@ -162,7 +168,8 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     return {"version": version, "line": "legacy DataParallelPPOActor", "steps": steps,
             "old_logprob_passes": trainer.actor_rollout_wg.calls, "reference_passes": trainer.ref_policy_wg.calls,
             "rows_dropped": dropped, "rows_total": total,
-            "old_logprob_rows": trainer.actor_rollout_wg.rows, "old_logprob_rows_skipped": skipped}
+            "old_logprob_rows": trainer.actor_rollout_wg.rows, "old_logprob_rows_net": True,
+            "old_logprob_rows_skipped": skipped}
 
 
 def _as_list(value: Any) -> list[float]:
