@@ -30,10 +30,9 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import grpo_patches  # noqa: E402
-from grpo_patches import verify_log  # noqa: E402
 from grpo_patches.errors import GrpoPatchesWarning, IncompatibleOptionsError  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow  # noqa: E402
-from tests.helpers.verl_fixtures import process_group  # noqa: E402,F401  (autouse: one process group per module)
+from tests.helpers.verl_fixtures import fresh_verify_records, process_group  # noqa: E402,F401  (autouse)
 
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
 SKIP = {"zero_advantage_filter": False, "logprob_skip": True}
@@ -43,13 +42,6 @@ REF = "grpo_patches/verify/reference_loss_abs_diff"
 LEGACY = h.line().startswith("legacy")
 engine_only = pytest.mark.skipif(LEGACY, reason="the engine line's checks (verl 0.8+)")
 legacy_only = pytest.mark.skipif(not LEGACY, reason="the legacy actor's checks (verl 0.6.1-0.7.x)")
-
-
-@pytest.fixture(autouse=True)
-def fresh_records():
-    verify_log.reset()
-    yield
-    verify_log.reset()
 
 
 @pytest.fixture(scope="module")

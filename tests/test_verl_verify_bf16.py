@@ -21,21 +21,14 @@ if h.VERL is None:
 import torch  # noqa: E402
 
 import grpo_patches  # noqa: E402
-from grpo_patches import verify, verify_log  # noqa: E402
+from grpo_patches import verify  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow  # noqa: E402
-from tests.helpers.verl_fixtures import process_group  # noqa: E402,F401  (autouse: one process group per module)
+from tests.helpers.verl_fixtures import fresh_verify_records, process_group  # noqa: E402,F401  (autouse)
 
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False, "verify_every": 1}
 GRAD, FLOOR = verify.METRIC_PREFIX + "grad_rel_diff", verify.NOISE_METRIC
 EPS_FALLBACK = verify.NOISE_FACTOR * 2.0 ** -7  # the tolerance without a measured floor
 LEGACY = h.line().startswith("legacy")
-
-
-@pytest.fixture(autouse=True)
-def fresh_records():
-    verify_log.reset()
-    yield
-    verify_log.reset()
 
 
 @pytest.fixture(scope="module")

@@ -11,3 +11,13 @@ from grpo_patches.testing.verl_actor_runs import setup_process
 def process_group() -> None:
     """Autouse in the modules that import it: the gloo group (legacy) or the engine's setup, once per module."""
     setup_process()
+
+
+@pytest.fixture(autouse=True)
+def fresh_verify_records():
+    """Autouse in the modules that import it: verify mode's records start and end empty per test."""
+    from grpo_patches import verify_log
+
+    verify_log.reset()
+    yield
+    verify_log.reset()
