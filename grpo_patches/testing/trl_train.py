@@ -150,6 +150,10 @@ def train(
     from grpo_patches.demo import tiny_model
 
     config = {**DEFAULT_CONFIG, "max_steps": steps, **grpo_config_overrides}
+    # transformers < 5 writes a bf16/fp16 config's precision into ACCELERATE_MIXED_PRECISION and
+    # later configs without one inherit it: a bf16=False run after a default (bf16) run in the
+    # same process would autocast to bf16. Each run starts from the caller's environment.
+    saved_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
     config["output_dir"] = output_dir or tempfile.mkdtemp(prefix="grpo_patches_trl_run_")
     savings.reset("trl")
     pm = grpo_patches.plugin_manager()
@@ -187,6 +191,10 @@ def train(
             extra={"forwards": counter},
         )
     finally:
+        if saved_precision is None:
+            os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = saved_precision
         if patched is not None:
             grpo_patches.disable("trl")
         if uncount is not None:
