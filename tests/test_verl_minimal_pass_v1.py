@@ -92,3 +92,18 @@ def test_a_skipped_row_reaching_an_unpatched_loss_stops_the_run(monkeypatch):
     monkeypatch.setattr(worker, "_substituting_loss", lambda fn, *a, **kw: fn(*a, **kw))  # no substitution
     with pytest.raises(PlaceholderError, match="placeholder reached verl's policy loss"):
         _run(NO_FILTER, monkeypatch, n_mini=2)
+
+
+def test_a_trainer_that_overrides_the_pass_runs_it_on_every_row(monkeypatch):
+    """A subclass with its own ``_compute_old_log_prob`` (the separate-async trainer's version-aware
+    pass) calling verl's: the full pass, the reason in ``status()`` for its class."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    class OwnPass(PPOTrainer):
+        def _compute_old_log_prob(self, batch, metrics):
+            return super()._compute_old_log_prob(batch, metrics)
+
+    got = _run(FILTER, monkeypatch, n_mini=4, base=OwnPass)
+    assert got.forwards == h.ROWS and SKIPPED not in got.metrics
+    notes = {k: v for c in got.status["by_class"].values() for k, v in c.items()}
+    assert "overrides _compute_old_log_prob" in notes["old_logprob_pass"], notes

@@ -115,13 +115,14 @@ def rollout_rows(zero: tuple[int, ...]) -> Any:
     return list_of_dict_to_tensordict(rows)
 
 
-def trainer(config: Any, group: Group) -> Any:
-    """A V1 ``PPOTrainer`` with no Ray and no TransferQueue service: only the methods under test run."""
+def trainer(config: Any, group: Group, base: type | None = None) -> Any:
+    """A V1 ``PPOTrainer`` (or ``base``, a subclass) with no Ray and no TransferQueue service:
+    only the methods under test run."""
     from verl.trainer.ppo.v1 import trainer_base
 
-    abstract = {name: (lambda self, *a, **k: None) for name in getattr(trainer_base.PPOTrainer, "__abstractmethods__",
-                                                                     ())}
-    concrete = type("V1Trainer", (trainer_base.PPOTrainer,), abstract)
+    base = base or trainer_base.PPOTrainer
+    abstract = {name: (lambda self, *a, **k: None) for name in getattr(base, "__abstractmethods__", ())}
+    concrete = type("V1Trainer", (base,), abstract)
     t = object.__new__(concrete)
     t.config = config
     t.actor_rollout_wg = group
@@ -129,8 +130,9 @@ def trainer(config: Any, group: Group) -> Any:
 
 
 def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = False, dynamic: bool = False,
-        zero: tuple[int, ...] = h.ZERO_ROWS["interleaved"], monkeypatch: Any) -> h.Run:
-    """One V1 trainer step (old-logprob pass, advantage stage's put, update) patched with ``options``."""
+        zero: tuple[int, ...] = h.ZERO_ROWS["interleaved"], monkeypatch: Any, base: type | None = None) -> h.Run:
+    """One V1 trainer step (old-logprob pass, advantage stage's put, update) patched with ``options``;
+    ``base``: a subclass of ``PPOTrainer`` to run instead."""
     from omegaconf import OmegaConf
     from tensordict import TensorDict
     from transfer_queue import KVBatchMeta
@@ -145,7 +147,7 @@ def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = F
                              {"actor_rollout_ref": {"rollout": {"calculate_log_probs": False}},
                               "algorithm": {"rollout_correction": None}})
     group = Group(worker, store)
-    t = trainer(config, group)
+    t = trainer(config, group, base)
     worker.reset_weights()
     worker.set_loss()
     result = h.Run()
