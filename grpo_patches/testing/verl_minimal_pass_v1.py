@@ -60,13 +60,14 @@ class KeyStore:
 
 
 class Group:
-    """The actor worker group of one rank (no Ray actors: the probe of its workers runs here)."""
+    """The actor worker group of ``world`` ranks, seen from rank ``rank`` (no Ray actors: the
+    probe of its workers runs here). Every rank runs the pass on all the rows it is given (so an
+    FSDP-sharded model's collectives match); the update gets this rank's chunk (``KVBatchMeta.chunk``)."""
 
-    world_size = 1
     workers: list = []
 
-    def __init__(self, worker: Any, store: KeyStore):
-        self.worker, self.store = worker, store
+    def __init__(self, worker: Any, store: KeyStore, world: int = 1, rank: int = 0):
+        self.worker, self.store, self.world_size, self.rank = worker, store, world, rank
         self.rows = 0  # rows through the old-logprob pass
 
     def _td(self, meta: Any, fields: list[str]) -> Any:
@@ -80,6 +81,7 @@ class Group:
         from tensordict.tensorclass import NonTensorData
         from verl.utils import tensordict_utils as tu
 
+        assert len(meta) % self.world_size == 0, f"{len(meta)} rows do not chunk over {self.world_size} ranks"
         self.rows += len(meta)
         td = self._td(meta, self.store.inputs)
         tu.assign_non_tensor(td, micro_batch_size_per_gpu=4, max_token_len_per_gpu=40,  # the rollout.log_prob_* sizes
@@ -91,17 +93,17 @@ class Group:
     def update_actor(self, meta: Any) -> Any:
         from verl.utils import tensordict_utils as tu
 
-        td = self._td(meta, [*self.store.inputs, "old_log_probs"])
+        td = self._td(meta.chunk(self.world_size)[self.rank], [*self.store.inputs, "old_log_probs"])
         out = self.worker.worker.train_mini_batch(td)
         return {"metrics": tu.get(out, "metrics")}
 
 
-def rollout_rows(zero: tuple[int, ...]) -> Any:
+def rollout_rows(zero: tuple[int, ...], world: int = 1) -> Any:
     """:func:`verl_actor_runs.make_batch`'s rows as the V1 agent loop puts them into TransferQueue:
     one unpadded row per key (prompt, response, ``input_ids`` = both), jagged (``list_of_dict_to_tensordict``)."""
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    batch = h.make_batch(zero_rows=zero)
+    batch = h.make_batch(zero_rows=zero, world=world)
     rows = []
     for i in range(len(batch["input_ids"])):
         real = batch["attention_mask"][i].bool()
@@ -130,23 +132,28 @@ def trainer(config: Any, group: Group, base: type | None = None) -> Any:
 
 
 def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = False, dynamic: bool = False,
-        zero: tuple[int, ...] = h.ZERO_ROWS["interleaved"], monkeypatch: Any, base: type | None = None) -> h.Run:
+        zero: tuple[int, ...] = h.ZERO_ROWS["interleaved"], monkeypatch: Any = None, base: type | None = None,
+        rank: int = 0, world: int = 1, worker: Any = None) -> h.Run:
     """One V1 trainer step (old-logprob pass, advantage stage's put, update) patched with ``options``;
-    ``base``: a subclass of ``PPOTrainer`` to run instead."""
+    ``base``: a subclass of ``PPOTrainer`` to run instead; ``rank``/``world``: this data-parallel rank
+    (``worker``: its engine worker); ``monkeypatch``: where to replace verl's TransferQueue binding."""
     from omegaconf import OmegaConf
     from tensordict import TensorDict
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1 import trainer_base
 
-    worker = h.shared_worker(dynamic=dynamic)
-    td = rollout_rows(zero)
+    worker = worker or h.shared_worker(dynamic=dynamic)
+    td = rollout_rows(zero, world)
     store = KeyStore(td)
-    monkeypatch.setattr(trainer_base, "tq", store)
-    config = OmegaConf.merge(m.trainer_config(mini=h.ROWS // n_mini, epochs=epochs, shuffle=shuffle, seed=1,
+    if monkeypatch is not None:
+        monkeypatch.setattr(trainer_base, "tq", store)
+    else:  # a spawned rank: its own process
+        trainer_base.tq = store
+    config = OmegaConf.merge(m.trainer_config(mini=h.ROWS // n_mini * world, epochs=epochs, shuffle=shuffle, seed=1,
                                               dynamic=dynamic),
                              {"actor_rollout_ref": {"rollout": {"calculate_log_probs": False}},
                               "algorithm": {"rollout_correction": None}})
-    group = Group(worker, store)
+    group = Group(worker, store, world, rank)
     t = trainer(config, group, base)
     worker.reset_weights()
     worker.set_loss()
