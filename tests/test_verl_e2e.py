@@ -12,11 +12,11 @@ cancels to ~1e-8 on some steps) and ``actor/grad_norm`` within 1e-5, the final a
 within 1e-5, the savings in verl's own metrics, and ``grpo_patches.status()`` from the worker
 that trained naming what ran. A Ray cluster of the module's own runs every training.
 
-CI makes the core runs (both trainers: 1 and 2 mini-batches; 8 trainings; the legacy trainer's
-2 mini-batches run the minimal old-logprob pass); the V1
+CI makes the core runs (both trainers with 1 mini-batch, the legacy one with 2: its minimal
+old-logprob pass; 6 trainings); the V1
 1-mini-batch one runs verify mode on every step (``verify_every=1``: every check of the worker
 through the real entry point, with the same comparisons against the unpatched run);
-``GRPO_E2E_FULL=1`` adds the option variants
+``GRPO_E2E_FULL=1`` adds the V1 trainer's 2-mini-batch minimal pass and the option variants
 (``tiled_loss=True`` on verl's fused-kernel forward, ``zero_advantage_filter=True``).
 """
 
