@@ -22,7 +22,8 @@ the line whose internals it wraps. Records on one attribute stack in table order
 - the minimal old-logprob pass (``recompute``, :mod:`.old_logprob_rows`: the legacy ``RayPPOTrainer``
   defers the pass to the update and runs it only on the rows a loss reads after an optimizer step,
   :mod:`.old_logprob_rows_plan`; :mod:`.old_logprob_rows_worker`: the other rows get the current
-  log-probs before the first step, or the run stops). The V1 trainer runs the full pass.
+  log-probs before the first step, or the run stops); the V1 trainer by TransferQueue keys:
+  :mod:`.old_logprob_rows_v1`.
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
   :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
@@ -53,6 +54,7 @@ ENGINE = ">=0.8.0"
 DP_ACTOR = "verl.workers.actor.dp_actor"
 FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"  # 0.9's V1 (TransferQueue) PPOTrainer
 FUSED = "verl.utils.experimental.torch_functional"
 LOSSES = "verl.workers.utils.losses"
 OLD_SKIP = ">=0.7,<0.8"
@@ -138,14 +140,18 @@ PATCHES = bypassable((
     # old-logprob pass on on-policy updates (0.7's legacy actor ignores it there)
     PatchTarget(RAY_TRAINER, "RayPPOTrainer._compute_old_log_prob", f"{_HERE}.old_logprobs:compute_old_log_prob",
                 versions=">=0.7", option="logprob_skip"),
-    PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_old_log_prob",
+    PatchTarget(V1_TRAINER, "PPOTrainer._compute_old_log_prob", f"{_HERE}.old_logprob_rows_v1:compute_old_log_prob",
+                versions=">=0.9", option="recompute"),
+    PatchTarget(V1_TRAINER, "PPOTrainer._compute_old_log_prob",
                 f"{_HERE}.old_logprobs:compute_old_log_prob_v1", versions=">=0.9", option="logprob_skip"),
     PatchTarget(RAY_TRAINER, "RayPPOTrainer._update_actor", f"{_HERE}.skip_guarantee:update_actor",
                 versions=">=0.7", option="logprob_skip"),
-    PatchTarget("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._update_actor",
+    PatchTarget(V1_TRAINER, "PPOTrainer._update_actor",
                 f"{_HERE}.skip_guarantee:update_actor_v1", versions=">=0.9", option="logprob_skip"),
     PatchTarget(RAY_TRAINER, "RayPPOTrainer._update_actor", f"{_HERE}.old_logprob_rows:update_actor",
                 versions=">=0.7", option="recompute"),
+    PatchTarget(V1_TRAINER, "PPOTrainer._update_actor", f"{_HERE}.old_logprob_rows_v1:update_actor",
+                versions=">=0.9", option="recompute"),
     # the minimal pass's worker side: skipped rows get the current log-probs before the first optimizer step
     *(PatchTarget(module, attribute, f"{_HERE}.old_logprob_rows_worker:{wrapper}", versions=versions,
                   option="recompute")

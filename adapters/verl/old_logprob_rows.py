@@ -48,7 +48,7 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
     batch = args[0] if args else kwargs["batch"]
     own = trainer_state(instance)
     own.deferred = None
-    why = _why_every_row(instance, batch, options)
+    why = why_every_row(instance, len(batch), options, needed_elsewhere(instance, batch))
     if why is not None:
         if why:  # "" : logprob_skip's case, noted by its own wrapper
             api.note("verl", NOTE, f"computed for every row: {why}", owner=instance)
@@ -103,16 +103,16 @@ def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: An
     return int(rows.numel())
 
 
-def _why_every_row(trainer: Any, batch: Any, options: Any) -> str | None:
-    """Why the pass runs on every row now (``""``: logprob_skip's whole-batch case), or ``None``: deferred."""
+def why_every_row(trainer: Any, rows: int, options: Any, elsewhere: str | None) -> str | None:
+    """Why the pass runs on every one of ``rows`` now (``""``: logprob_skip's whole-batch case), or
+    ``None``: deferred; ``elsewhere``: what else reads the old log-probs (the trainer's own check)."""
     actor = trainer.config.actor_rollout_ref.actor
     dp = data_parallel_size(trainer)
     n = int(config_value(trainer.config, "actor_rollout_ref.rollout.n", 1))
-    mini_batches = -(-(len(batch) // dp) // max(int(actor.ppo_mini_batch_size) * n // dp, 1))
+    mini_batches = -(-(rows // dp) // max(int(actor.ppo_mini_batch_size) * n // dp, 1))
     epochs = int(actor.get("ppo_epochs", 1))
     if mini_batches * epochs <= 1:
         return "" if options.logprob_skip else "one optimizer step consumes the batch (logprob_skip=False runs it)"
-    elsewhere = needed_elsewhere(trainer, batch)
     if elsewhere:
         return elsewhere
     if epochs > 1 and not filter_drops_zero_rows(trainer):
@@ -123,7 +123,7 @@ def _why_every_row(trainer: Any, batch: Any, options: Any) -> str | None:
         return "the Megatron workers have no row substitution"
     if config_value(trainer.config, "actor_rollout_ref.actor.router_replay.mode", "disabled") != "disabled":
         return "router replay reads the pass's routed experts"
-    if len(batch) % dp:
-        return f"{len(batch)} rows do not split evenly over {dp} data-parallel ranks"
+    if rows % dp:
+        return f"{rows} rows do not split evenly over {dp} data-parallel ranks"
     why = workers_substitute_rows(trainer)
     return f"the workers do not substitute skipped rows: {why}" if why else None

@@ -105,13 +105,18 @@ def _engine_first(actor: Any, per_rank: int, mini: int, rank: int) -> Any:
 
 def useful_rows(batch: Any) -> Any:
     """``[rows]`` bool: rows with a non-zero advantage on some response token (the filter's rule; NaN counts)."""
-    advantages, mask = batch.batch["advantages"], batch.batch["response_mask"]
+    return useful_rows_of(batch.batch["advantages"], batch.batch["response_mask"])
+
+
+def useful_rows_of(advantages: Any, mask: Any) -> Any:
+    """:func:`useful_rows` of padded ``advantages`` (per token or per row) and ``response_mask``."""
     per_token = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
     return ((per_token != 0) & (mask != 0)).any(dim=-1)
 
 
-def needed_rows(trainer: Any, batch: Any) -> Any:
-    """``[rows]`` bool: the rows whose old log-probs some loss reads (the minimal pass's rows)."""
+def needed_rows(trainer: Any, batch: Any, useful: Any = None) -> Any:
+    """``[rows]`` bool: the rows whose old log-probs some loss reads (the minimal pass's rows);
+    ``useful``: :func:`useful_rows` when the caller has it (the V1 trainer reads it from TransferQueue)."""
     import torch
 
     actor = trainer.config.actor_rollout_ref.actor
@@ -121,5 +126,5 @@ def needed_rows(trainer: Any, batch: Any) -> Any:
     else:  # every row is consumed again after a step
         needed = torch.ones(rows, dtype=torch.bool)
     if filter_drops_zero_rows(trainer):
-        needed = needed & useful_rows(batch)
+        needed = needed & (useful_rows(batch) if useful is None else useful)
     return needed

@@ -121,7 +121,7 @@ def _decide(trainer: Any, rows: int, elsewhere: str | None) -> bool | None:
     return compute
 
 
-def _v1_needed_elsewhere(trainer: Any) -> str | None:
+def v1_needed_elsewhere(trainer: Any) -> str | None:
     config = trainer.config
     if config_value(config, "algorithm.use_kl_in_reward", False):
         return "algorithm.use_kl_in_reward reads them"
@@ -135,12 +135,6 @@ def _v1_needed_elsewhere(trainer: Any) -> str | None:
     return None
 
 
-#: What ``recompute`` does on the V1 trainer (a status note on its class).
-V1_RECOMPUTE = ("the V1 trainer runs the old-logprob pass on every row (logprob_skip still skips it on one-step "
-                "batches); the minimal pass (rows a loss reads after an optimizer step) covers the legacy "
-                "RayPPOTrainer: trainer.use_v1=False")
-
-
 def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of 0.9's v1 ``PPOTrainer._compute_old_log_prob(batch, metrics) -> batch``.
 
@@ -149,12 +143,10 @@ def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tu
     verl's later ``kv_batch_put`` calls return fresh metadata); no ``entropy`` field and no
     ``actor/entropy`` metric here: the actor's update logs ``actor/entropy`` from its own forward."""
     options = api.active_options("verl")
-    if options is not None and options.recompute and instance is not None:
-        api.note("verl", "recompute", V1_RECOMPUTE, owner=instance)
     if options is None or not options.logprob_skip or instance is None:
         return wrapped(*args, **kwargs)
     batch = args[0] if args else kwargs["batch"]
-    elsewhere = _v1_needed_elsewhere(instance)
+    elsewhere = v1_needed_elsewhere(instance)
     if _decide(instance, len(batch), elsewhere) is not False or not _workers_ready(instance):
         return wrapped(*args, **kwargs)
     from tensordict import TensorDict
@@ -163,7 +155,7 @@ def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tu
     tq = trainer_base.tq
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
     mask = data["response_mask"]
-    old = _nested_like(mask, placeholder.like(mask.values() if mask.is_nested else mask))
+    old = nested_like(mask, placeholder.like(mask.values() if mask.is_nested else mask))
     batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                             fields=TensorDict({"old_log_probs": old}, batch_size=data.batch_size))
     expect_substitution(instance)
@@ -171,7 +163,7 @@ def compute_old_log_prob_v1(wrapped: Callable[..., Any], instance: Any, args: tu
     return batch
 
 
-def _nested_like(mask: Any, values: Any) -> Any:
+def nested_like(mask: Any, values: Any) -> Any:
     """``values`` (one per element of ``mask``) in ``mask``'s layout (jagged rows when it is nested)."""
     if not getattr(mask, "is_nested", False):
         return values
