@@ -42,7 +42,7 @@ METRIC_PREFIX = "grpo_patches/"
 #: Set by a v0.5 / v0.6 worker's loss when it used the current log-probs as prev (:mod:`.loss_call`).
 PREV_MARKER = METRIC_PREFIX + "prev_logprobs_from_current"
 #: The zero-advantage filter's counters (``grpo_patches/<name>`` in the metrics).
-COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped")
+COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped", "padding_tokens_skipped")
 
 
 @dataclass
@@ -110,6 +110,8 @@ class GlobalBatchFilter:
 
     :ivar rows_dropped, tokens_dropped: left out of the forward and backward on this rank.
     :ivar microbatches_dropped: forward/backward passes saved on this rank.
+    :ivar padding_tokens_skipped: padding token positions of the rows that ran, cut from their
+        micro-batches on this rank (:mod:`.trim`).
     :ivar kept_seqs, kept_toks: rows / loss tokens that ran, over every DP rank (the
         denominators of the ``/kept_rows`` metrics).
     :ivar metrics_only: the micro-batches that only give metrics (no gradient).
@@ -126,6 +128,7 @@ class GlobalBatchFilter:
     microbatches_dropped: int
     kept_seqs: float
     kept_toks: float
+    padding_tokens_skipped: int = 0
     metrics_only: list[Any] = field(default_factory=list)
     dropped_seqs: float = 0.0
     dropped: Any = None
@@ -147,7 +150,7 @@ class TrainCall:
     :ivar filter_on: the zero-advantage filter reshapes this call's micro-batches.
     :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
     :ivar current: the filter's plan of the global batch being trained.
-    :ivar rows_dropped, tokens_dropped, microbatches_dropped: totals over the call.
+    :ivar rows_dropped, tokens_dropped, microbatches_dropped, padding_tokens_skipped: totals over the call.
     :ivar unpatched: verify mode runs NeMo-RL's unpatched computation (:func:`active_train` is
         ``None`` meanwhile: every worker wrapper passes through).
     :ivar remake: verify mode: NeMo-RL's ``get_microbatch_iterator`` of the global batch being
@@ -171,6 +174,7 @@ class TrainCall:
     rows_dropped: int = 0
     tokens_dropped: int = 0
     microbatches_dropped: int = 0
+    padding_tokens_skipped: int = 0
     unpatched: bool = False
     remake: Any = None
     rebatch: Any = None
