@@ -135,3 +135,10 @@ def test_kept_microbatches_are_trimmed(fake_nemo, tag, multiple, record_property
 def test_one_column_too_many_is_caught(fake_nemo, tag):
     fake_nemo(tag)
     trim_cases.one_column_too_many_is_caught(tag, fake_worker)
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+@pytest.mark.parametrize("tag", TAGS)
+def test_dynamic_microbatches_are_trimmed(fake_nemo, tag, multiple, record_property):
+    fake_nemo(tag)
+    trim_cases.kept_microbatches_are_trimmed(tag, fake_worker, record_property, multiple, dynamic=True)

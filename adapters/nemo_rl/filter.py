@@ -8,8 +8,9 @@ all-reduced over the whole global batch before micro-batching, so the kept rows 
 original denominators and need no weights). Then:
 
 * plain batching: the kept rows in chunks of ``train_micro_batch_size`` (the last one may be
-  short), each cut to the columns its own rows use (:mod:`.trim`); dynamic batching: the driver's micro-batch ranges, each without its dropped rows
-  (an empty range disappears), truncated to the range's length as NeMo-RL does;
+  short); dynamic batching: the driver's micro-batch ranges, each without its dropped rows
+  (an empty range disappears), truncated to the range's length as NeMo-RL does; either way
+  each then cut to the columns its own rows use (:mod:`.trim`);
 * every DP rank runs the same number of micro-batches (FSDP's collectives): ranks with fewer
   append zero-weight micro-batches (one row, ``sample_mask`` 0: loss and gradient exactly 0,
   and NeMo-RL skips the metrics of a micro-batch with no valid sample). The hook keeps at
@@ -82,16 +83,15 @@ def dp_reduce(values: list[float], group: Any, device: Any, op: str) -> list[flo
 
 
 def zero_weight(data: Any, row: int, length: int | None = None, multiple: int = 1) -> Any:
-    """One row of ``data`` whose loss is exactly 0 (``sample_mask`` 0): a DP-alignment micro-batch
-    (plain batching: cut to its row's columns; dynamic batching: to ``length``)."""
+    """One row of ``data`` whose loss is exactly 0 (``sample_mask`` 0): a DP-alignment micro-batch,
+    cut to its row's columns."""
     import torch
 
     mb = data.select_indices([row])
     mb["sample_mask"] = torch.zeros_like(mb["sample_mask"])
     if length is not None:
         mb.truncate_tensors(dim=1, truncated_len=length)
-    else:
-        trim(mb, multiple)
+    trim(mb, multiple)
     return mb
 
 
@@ -105,7 +105,7 @@ class Layout:
 
 def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, int]] | None,
             multiple: int) -> tuple[list[Any], int]:
-    """The micro-batches of ``rows``, and the padding token positions cut from them (plain batching)."""
+    """The micro-batches of ``rows``, and the padding token positions cut from them."""
     if ranges is None:
         out, cut = [], 0
         for i in range(0, len(rows), mbs):
@@ -114,14 +114,15 @@ def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, i
             out.append(mb)
         return out, cut
     chosen = set(rows)
-    out = []
+    out, cut = [], 0
     for start, end, length in ranges:
         inside = [r for r in range(start, end) if r in chosen]
         if inside:
             mb = data.select_indices(inside)
             mb.truncate_tensors(dim=1, truncated_len=length)
+            cut += trim(mb, multiple) * len(inside)
             out.append(mb)
-    return out, 0
+    return out, cut
 
 
 def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_for_dropped: bool,
@@ -132,7 +133,7 @@ def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_f
         metrics-only micro-batches.
     :param keep_dropped: keep the dropped rows' data in the plan (their metrics that need no
         forward, :mod:`.metrics`).
-    :param multiple: ``policy.make_sequence_length_divisible_by`` (a trimmed width stays a multiple of it).
+    :param multiple: a trimmed micro-batch's width stays a multiple of it (:func:`.trim.multiple_of`).
     """
     from grpo_patches.plugins import hook
 

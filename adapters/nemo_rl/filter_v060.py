@@ -27,6 +27,7 @@ from .calls import arguments
 from .filter import plan
 from .settings import setting
 from .state import COUNTERS, FRAMEWORK, PREV_IS_CURRENT, active_train
+from .trim import multiple_of
 
 
 def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -39,9 +40,9 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     metrics_for_dropped = bool(options and options.dropped_rows_metrics)
     loss_fn = train.loss_fn
     prev_real = not (getattr(loss_fn, "force_on_policy_ratio", False) or getattr(loss_fn, PREV_IS_CURRENT, False))
-    layout, own = plan(call["data"], loss_fn, int(call["mbs"]), bool(setting(call["cfg"], "dynamic_batching.enabled")),
-                       call["dp_mesh"].get_group(), metrics_for_dropped, keep_dropped=prev_real and not metrics_for_dropped,
-                       multiple=int(call["cfg"].get("make_sequence_length_divisible_by", 1) or 1))
+    dynamic = bool(setting(call["cfg"], "dynamic_batching.enabled"))
+    layout, own = plan(call["data"], loss_fn, int(call["mbs"]), dynamic, call["dp_mesh"].get_group(), metrics_for_dropped,
+                       keep_dropped=prev_real and not metrics_for_dropped, multiple=multiple_of(call["cfg"], dynamic))
     train.current = own
     for name in COUNTERS:
         setattr(train, name, getattr(train, name) + getattr(own, name))

@@ -3,9 +3,10 @@
 Without sequence packing or dynamic batching, NeMo-RL hands every micro-batch of a global
 batch the width the driver padded the whole batch to (``BatchedDataDict.make_microbatch_iterator``
 slices rows only; the worker feeds the model ``input_ids`` with an all-ones attention mask and
-``position_ids = arange(width)``). Rows are right-padded (prompt and response from column 0,
-``input_lengths`` long), so once the filter has chosen a micro-batch's rows, the columns after
-the longest of them are padding no row uses. They are cut with NeMo-RL's own
+``position_ids = arange(width)``); with dynamic batching, each micro-batch the width of the
+longest row of its range, dropped rows included. Rows are right-padded (prompt and response
+from column 0, ``input_lengths`` long), so once the filter has chosen a micro-batch's rows, the
+columns after the longest of them are padding no row uses. They are cut with NeMo-RL's own
 ``truncate_tensors`` (what its dynamic batching does to each micro-batch), exactly:
 
 * causal attention: no earlier column reads a later one, and the positions of the columns that
@@ -13,7 +14,8 @@ the longest of them are padding no row uses. They are cut with NeMo-RL's own
 * the loss reads ``token_mask[:, 1:]`` (and ``sample_mask``): the cut keeps every column up to
   the last one any row's ``token_mask`` marks, as well as ``input_lengths``;
 * the width stays a multiple of ``policy.make_sequence_length_divisible_by`` (tensor / context
-  parallelism need it) and never exceeds the original one.
+  parallelism need it; dynamic batching: of ``dynamic_batching.sequence_length_round``, as
+  NeMo-RL rounds its ranges) and never exceeds the original one (:func:`multiple_of`).
 
 Multimodal micro-batches are left as they are (their per-image inputs are not per column). The
 saving is counted as ``grpo_patches/padding_tokens_skipped`` (rows x columns cut), the name the
@@ -23,6 +25,15 @@ TRL adapter uses.
 from __future__ import annotations
 
 from typing import Any
+
+
+def multiple_of(cfg: Any, dynamic: bool) -> int:
+    """What a trimmed width stays a multiple of, from the worker's policy config."""
+    if dynamic:
+        value = (cfg.get("dynamic_batching") or {}).get("sequence_length_round", 1)
+    else:
+        value = cfg.get("make_sequence_length_divisible_by", 1)
+    return max(int(value or 1), 1)
 
 
 def used_width(microbatch: Any) -> int:

@@ -103,9 +103,10 @@ def test_two_data_parallel_ranks_stay_aligned(record_property):
     assert sum(r["rows_dropped"] for r in results) > 0
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
 @pytest.mark.parametrize("multiple", [1, 4])
-def test_kept_microbatches_are_trimmed(multiple, record_property):
-    trim_cases.kept_microbatches_are_trimmed(TAG, harness.real_worker, record_property, multiple)
+def test_kept_microbatches_are_trimmed(multiple, dynamic, record_property):
+    trim_cases.kept_microbatches_are_trimmed(TAG, harness.real_worker, record_property, multiple, dynamic=dynamic)
 
 
 @needs_new
