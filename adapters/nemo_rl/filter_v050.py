@@ -53,6 +53,7 @@ def _filtered(wrapped: Callable[..., Any], batch: Any, args: tuple, kwargs: dict
     multiple = multiple_of(getattr(worker, "cfg", None) or {}, dynamic)
     layout, own = plan(batch, loss_fn, mbs or 1, dynamic, worker.dp_mesh.get_group(), False, multiple=multiple)
     own.global_batches = int(local.get("num_global_batches", 1) or 1)
+    own.train_frame = (id(frame), frame.f_code)
     CURRENT_V050.set(own)
     savings.report(FRAMEWORK, **{name: getattr(own, name) for name in COUNTERS if getattr(own, name)})
     return iter(layout.microbatches)

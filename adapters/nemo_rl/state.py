@@ -121,6 +121,7 @@ class GlobalBatchFilter:
     :ivar seen: the first loss call of the global batch happened (it carries the additions).
     :ivar counters_sent: v0.5.0: the counters rode on a micro-batch's metrics already.
     :ivar global_batches: how many global batches the train call has (v0.5.0's metric scale).
+    :ivar train_frame: v0.5.0: ``(id, code)`` of the worker ``train`` frame the plan belongs to.
     """
 
     rows_dropped: int
@@ -135,6 +136,7 @@ class GlobalBatchFilter:
     seen: bool = False
     counters_sent: bool = False
     global_batches: int = 1
+    train_frame: tuple[int, Any] | None = None
 
     def is_metrics_only(self, microbatch: Any) -> bool:
         return any(microbatch is mb for mb in self.metrics_only)
@@ -215,6 +217,20 @@ def active_train() -> TrainCall | None:
         frame = frame.f_back
     return None
 #: v0.5.0 has no per-call hook point in the worker (see :mod:`.filter_v050`): the plan of the
-#: global batch being trained, replaced at each global batch.
+#: global batch being trained, replaced at each global batch (read through :func:`current_v050`).
 CURRENT_V050: contextvars.ContextVar[GlobalBatchFilter | None] = contextvars.ContextVar(
     "grpo_patches_nemo_v050", default=None)
+
+
+def current_v050() -> GlobalBatchFilter | None:
+    """v0.5.0's plan, only while the ``train`` frame it was made in runs on this thread's stack (a
+    plan left over from an earlier call, e.g. before a ``disable()`` / ``enable()``, is never read)."""
+    plan = CURRENT_V050.get()
+    if plan is None or plan.train_frame is None:
+        return plan
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (id(frame), frame.f_code) == plan.train_frame:
+            return plan
+        frame = frame.f_back
+    return None
