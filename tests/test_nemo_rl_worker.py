@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import nemo_trim_cases as trim_cases
 from tests.helpers import nemo_worker_cases as cases
 from tests.helpers.nemo_fake import TAGS
 from tests.helpers.nemo_worker_harness import fake_worker
@@ -121,3 +122,23 @@ def test_a_train_call_that_raised_leaves_no_filter_behind(fake_nemo, tag):
         assert worker.get_logprobs(batched(make_batch()))["logprobs"].shape[0] == 12 and sum(rows) == 12
     finally:
         grpo_patches.disable("nemo_rl")
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+@pytest.mark.parametrize("tag", TAGS)
+def test_kept_microbatches_are_trimmed(fake_nemo, tag, multiple, record_property):
+    fake_nemo(tag)
+    trim_cases.kept_microbatches_are_trimmed(tag, fake_worker, record_property, multiple)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_one_column_too_many_is_caught(fake_nemo, tag):
+    fake_nemo(tag)
+    trim_cases.one_column_too_many_is_caught(tag, fake_worker)
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+@pytest.mark.parametrize("tag", TAGS)
+def test_dynamic_microbatches_are_trimmed(fake_nemo, tag, multiple, record_property):
+    fake_nemo(tag)
+    trim_cases.kept_microbatches_are_trimmed(tag, fake_worker, record_property, multiple, dynamic=True)

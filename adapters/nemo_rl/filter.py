@@ -9,7 +9,8 @@ original denominators and need no weights). Then:
 
 * plain batching: the kept rows in chunks of ``train_micro_batch_size`` (the last one may be
   short); dynamic batching: the driver's micro-batch ranges, each without its dropped rows
-  (an empty range disappears), truncated to the range's length as NeMo-RL does;
+  (an empty range disappears), truncated to the range's length as NeMo-RL does; either way
+  each then cut to the columns its own rows use (:mod:`.trim`);
 * every DP rank runs the same number of micro-batches (FSDP's collectives): ranks with fewer
   append zero-weight micro-batches (one row, ``sample_mask`` 0: loss and gradient exactly 0,
   and NeMo-RL skips the metrics of a micro-batch with no valid sample). The hook keeps at
@@ -30,6 +31,7 @@ from grpo_patches.refuse_or_note import refuse_or_note
 
 from .settings import denominator, gradient_terms, is_mixture_of_experts
 from .state import FRAMEWORK, GlobalBatchFilter
+from .trim import trim
 
 
 def loss_tensors(data: Any) -> tuple[Any, Any]:
@@ -80,14 +82,16 @@ def dp_reduce(values: list[float], group: Any, device: Any, op: str) -> list[flo
     return [float(v) for v in tensor.tolist()]
 
 
-def zero_weight(data: Any, row: int, length: int | None = None) -> Any:
-    """One row of ``data`` whose loss is exactly 0 (``sample_mask`` 0): a DP-alignment micro-batch."""
+def zero_weight(data: Any, row: int, length: int | None = None, multiple: int = 1) -> Any:
+    """One row of ``data`` whose loss is exactly 0 (``sample_mask`` 0): a DP-alignment micro-batch,
+    cut to its row's columns."""
     import torch
 
     mb = data.select_indices([row])
     mb["sample_mask"] = torch.zeros_like(mb["sample_mask"])
     if length is not None:
         mb.truncate_tensors(dim=1, truncated_len=length)
+    trim(mb, multiple)
     return mb
 
 
@@ -99,28 +103,37 @@ class Layout:
     metrics_only: list[Any] = field(default_factory=list)
 
 
-def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, int]] | None) -> list[Any]:
+def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, int]] | None,
+            multiple: int) -> tuple[list[Any], int]:
+    """The micro-batches of ``rows``, and the padding token positions cut from them."""
     if ranges is None:
-        return [data.select_indices(rows[i:i + mbs]) for i in range(0, len(rows), mbs)]
+        out, cut = [], 0
+        for i in range(0, len(rows), mbs):
+            mb = data.select_indices(rows[i:i + mbs])
+            cut += trim(mb, multiple) * len(rows[i:i + mbs])
+            out.append(mb)
+        return out, cut
     chosen = set(rows)
-    out = []
+    out, cut = [], 0
     for start, end, length in ranges:
         inside = [r for r in range(start, end) if r in chosen]
         if inside:
             mb = data.select_indices(inside)
             mb.truncate_tensors(dim=1, truncated_len=length)
+            cut += trim(mb, multiple) * len(inside)
             out.append(mb)
-    return out
+    return out, cut
 
 
 def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_for_dropped: bool,
-         keep_dropped: bool = False) -> tuple[Layout, GlobalBatchFilter]:
+         keep_dropped: bool = False, multiple: int = 1) -> tuple[Layout, GlobalBatchFilter]:
     """The micro-batches of one local global batch with the zero-advantage rows left out.
 
     :param metrics_for_dropped: ``dropped_rows_metrics=True``: the dropped rows follow as
         metrics-only micro-batches.
     :param keep_dropped: keep the dropped rows' data in the plan (their metrics that need no
         forward, :mod:`.metrics`).
+    :param multiple: a trimmed micro-batch's width stays a multiple of it (:func:`.trim.multiple_of`).
     """
     from grpo_patches.plugins import hook
 
@@ -134,8 +147,8 @@ def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_f
     if dynamic:
         ranges = [(int(s), int(e), int(n)) for n, (s, e) in zip(data.micro_batch_lengths[0], data.micro_batch_indices[0])]
     device = data["input_ids"].device
-    kept_mbs = _chunks(data, keep, mbs, ranges)
-    drop_mbs = _chunks(data, dropped, mbs, ranges) if metrics_for_dropped else []
+    kept_mbs, kept_cut = _chunks(data, keep, mbs, ranges, multiple)
+    drop_mbs, drop_cut = _chunks(data, dropped, mbs, ranges, multiple) if metrics_for_dropped else ([], 0)
     counts = mask.sum(dim=1).tolist()
     kept_seqs = float(data["sample_mask"][keep].sum()) if keep else 0.0
     n_kept, n_drop = (int(v) for v in dp_reduce([len(kept_mbs), len(drop_mbs)], group, device, "max"))
@@ -143,14 +156,15 @@ def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_f
     shortest = min(range(rows), key=lambda r: (counts[r], r))
     length = min(n for _, _, n in ranges) if ranges else None  # dynamic batching: a short pad
     layout = Layout()
-    layout.microbatches = kept_mbs + [zero_weight(data, shortest, length) for _ in range(n_kept - len(kept_mbs))]
-    pads = [zero_weight(data, shortest, length) for _ in range(n_drop - len(drop_mbs))]
+    layout.microbatches = kept_mbs + [zero_weight(data, shortest, length, multiple) for _ in range(n_kept - len(kept_mbs))]
+    pads = [zero_weight(data, shortest, length, multiple) for _ in range(n_drop - len(drop_mbs))]
     layout.metrics_only = drop_mbs + pads
     upstream = len(ranges) if ranges is not None else rows // mbs
     own = GlobalBatchFilter(
         rows_dropped=len(dropped),
         tokens_dropped=int(sum(counts[i] for i in dropped)),
         microbatches_dropped=upstream - len(layout.microbatches),
+        padding_tokens_skipped=kept_cut + drop_cut,
         kept_seqs=seqs,
         kept_toks=toks,
         dropped_seqs=float(data["sample_mask"][dropped].sum()) if dropped else 0.0,

@@ -28,6 +28,7 @@ from grpo_patches.refuse_or_note import refuse_or_note
 from .calls import worker_train_frame
 from .filter import decide, plan
 from .state import COUNTERS, CURRENT_V050, FRAMEWORK
+from .trim import multiple_of
 
 
 def _filtered(wrapped: Callable[..., Any], batch: Any, args: tuple, kwargs: dict, dynamic: bool,
@@ -49,8 +50,10 @@ def _filtered(wrapped: Callable[..., Any], batch: Any, args: tuple, kwargs: dict
         CURRENT_V050.set(None)
         return wrapped(*args, **kwargs)
     mbs = None if dynamic else int(kwargs.get("microbatch_size", args[0] if args else 0))
-    layout, own = plan(batch, loss_fn, mbs or 1, dynamic, worker.dp_mesh.get_group(), False)
+    multiple = multiple_of(getattr(worker, "cfg", None) or {}, dynamic)
+    layout, own = plan(batch, loss_fn, mbs or 1, dynamic, worker.dp_mesh.get_group(), False, multiple=multiple)
     own.global_batches = int(local.get("num_global_batches", 1) or 1)
+    own.train_frame = (id(frame), frame.f_code)
     CURRENT_V050.set(own)
     savings.report(FRAMEWORK, **{name: getattr(own, name) for name in COUNTERS if getattr(own, name)})
     return iter(layout.microbatches)

@@ -26,7 +26,8 @@ from grpo_patches.caller_frame import unwrap
 from .calls import arguments
 from .filter import plan
 from .settings import setting
-from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
+from .state import COUNTERS, FRAMEWORK, PREV_IS_CURRENT, active_train
+from .trim import multiple_of
 
 
 def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -39,12 +40,12 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     metrics_for_dropped = bool(options and options.dropped_rows_metrics)
     loss_fn = train.loss_fn
     prev_real = not (getattr(loss_fn, "force_on_policy_ratio", False) or getattr(loss_fn, PREV_IS_CURRENT, False))
-    layout, own = plan(call["data"], loss_fn, int(call["mbs"]), bool(setting(call["cfg"], "dynamic_batching.enabled")),
-                       call["dp_mesh"].get_group(), metrics_for_dropped, keep_dropped=prev_real and not metrics_for_dropped)
+    dynamic = bool(setting(call["cfg"], "dynamic_batching.enabled"))
+    layout, own = plan(call["data"], loss_fn, int(call["mbs"]), dynamic, call["dp_mesh"].get_group(), metrics_for_dropped,
+                       keep_dropped=prev_real and not metrics_for_dropped, multiple=multiple_of(call["cfg"], dynamic))
     train.current = own
-    train.rows_dropped += own.rows_dropped
-    train.tokens_dropped += own.tokens_dropped
-    train.microbatches_dropped += own.microbatches_dropped
+    for name in COUNTERS:
+        setattr(train, name, getattr(train, name) + getattr(own, name))
     microbatches = layout.microbatches + layout.metrics_only
     data_module = sys.modules[unwrap(wrapped).__module__]  # nemo_rl.models.automodel.data
     iterator = data_module.make_processed_microbatch_iterator(iter(microbatches), call["tokenizer"], call["cfg"],

@@ -35,13 +35,13 @@ from .skipped_rows import dropped_marked, substitute
 from .verify_in_loss import measure_prev, measure_reference
 from .state import (
     COUNTERS,
-    CURRENT_V050,
     FRAMEWORK,
     METRIC_PREFIX,
     PREV_IS_CURRENT,
     PREV_MARKER,
     GlobalBatchFilter,
     active_train,
+    current_v050,
 )
 
 
@@ -49,7 +49,7 @@ def _current_plan() -> GlobalBatchFilter | None:
     train = active_train()
     if train is not None:
         return train.current if train.filter_on else None
-    return CURRENT_V050.get()
+    return current_v050()
 
 
 def _with_prev(data: Any, current: Any) -> Any:

@@ -42,7 +42,7 @@ METRIC_PREFIX = "grpo_patches/"
 #: Set by a v0.5 / v0.6 worker's loss when it used the current log-probs as prev (:mod:`.loss_call`).
 PREV_MARKER = METRIC_PREFIX + "prev_logprobs_from_current"
 #: The zero-advantage filter's counters (``grpo_patches/<name>`` in the metrics).
-COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped")
+COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped", "padding_tokens_skipped")
 
 
 @dataclass
@@ -110,6 +110,8 @@ class GlobalBatchFilter:
 
     :ivar rows_dropped, tokens_dropped: left out of the forward and backward on this rank.
     :ivar microbatches_dropped: forward/backward passes saved on this rank.
+    :ivar padding_tokens_skipped: padding token positions of the rows that ran, cut from their
+        micro-batches on this rank (:mod:`.trim`).
     :ivar kept_seqs, kept_toks: rows / loss tokens that ran, over every DP rank (the
         denominators of the ``/kept_rows`` metrics).
     :ivar metrics_only: the micro-batches that only give metrics (no gradient).
@@ -119,6 +121,7 @@ class GlobalBatchFilter:
     :ivar seen: the first loss call of the global batch happened (it carries the additions).
     :ivar counters_sent: v0.5.0: the counters rode on a micro-batch's metrics already.
     :ivar global_batches: how many global batches the train call has (v0.5.0's metric scale).
+    :ivar train_frame: v0.5.0: ``(id, code)`` of the worker ``train`` frame the plan belongs to.
     """
 
     rows_dropped: int
@@ -126,12 +129,14 @@ class GlobalBatchFilter:
     microbatches_dropped: int
     kept_seqs: float
     kept_toks: float
+    padding_tokens_skipped: int = 0
     metrics_only: list[Any] = field(default_factory=list)
     dropped_seqs: float = 0.0
     dropped: Any = None
     seen: bool = False
     counters_sent: bool = False
     global_batches: int = 1
+    train_frame: tuple[int, Any] | None = None
 
     def is_metrics_only(self, microbatch: Any) -> bool:
         return any(microbatch is mb for mb in self.metrics_only)
@@ -147,7 +152,7 @@ class TrainCall:
     :ivar filter_on: the zero-advantage filter reshapes this call's micro-batches.
     :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
     :ivar current: the filter's plan of the global batch being trained.
-    :ivar rows_dropped, tokens_dropped, microbatches_dropped: totals over the call.
+    :ivar rows_dropped, tokens_dropped, microbatches_dropped, padding_tokens_skipped: totals over the call.
     :ivar unpatched: verify mode runs NeMo-RL's unpatched computation (:func:`active_train` is
         ``None`` meanwhile: every worker wrapper passes through).
     :ivar remake: verify mode: NeMo-RL's ``get_microbatch_iterator`` of the global batch being
@@ -171,6 +176,7 @@ class TrainCall:
     rows_dropped: int = 0
     tokens_dropped: int = 0
     microbatches_dropped: int = 0
+    padding_tokens_skipped: int = 0
     unpatched: bool = False
     remake: Any = None
     rebatch: Any = None
@@ -211,6 +217,20 @@ def active_train() -> TrainCall | None:
         frame = frame.f_back
     return None
 #: v0.5.0 has no per-call hook point in the worker (see :mod:`.filter_v050`): the plan of the
-#: global batch being trained, replaced at each global batch.
+#: global batch being trained, replaced at each global batch (read through :func:`current_v050`).
 CURRENT_V050: contextvars.ContextVar[GlobalBatchFilter | None] = contextvars.ContextVar(
     "grpo_patches_nemo_v050", default=None)
+
+
+def current_v050() -> GlobalBatchFilter | None:
+    """v0.5.0's plan, only while the ``train`` frame it was made in runs on this thread's stack (a
+    plan left over from an earlier call, e.g. before a ``disable()`` / ``enable()``, is never read)."""
+    plan = CURRENT_V050.get()
+    if plan is None or plan.train_frame is None:
+        return plan
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (id(frame), frame.f_code) == plan.train_frame:
+            return plan
+        frame = frame.f_back
+    return None

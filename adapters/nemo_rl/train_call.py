@@ -118,8 +118,8 @@ def _collect(policy: Any, result: Any, skipped: bool, loop: LoopState | None) ->
         for name in COUNTERS:
             totals[name] = totals.get(name, 0.0) + float(sum(metrics.get(METRIC_PREFIX + name, ())))
         api.note(FRAMEWORK, "zero_advantage_filter_workers", "the workers left out " + ", ".join(
-            f"{totals[n]:g} {n.replace('_dropped', '')}" for n in COUNTERS) + " so far (logged by NeMo-RL as "
-                 f"{METRIC_PREFIX}<name>_dropped)")
+            f"{totals[n]:g} {n.replace('_dropped', '').replace('_skipped', '').replace('_', ' ')}" for n in COUNTERS)
+                 + f" so far (logged by NeMo-RL as {METRIC_PREFIX}<counter>)")
     _reduce_kept_extrema(metrics)
 
 

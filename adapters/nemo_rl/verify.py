@@ -56,7 +56,7 @@ from grpo_patches.errors import ExactnessError
 
 from .calls import arguments
 
-from .state import FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
+from .state import COUNTERS, FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
 from .verify_results import fit_results
 
 SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
@@ -238,7 +238,7 @@ class GlobalBatchCheck:
         """The unpatched result is used: the filter saved nothing on this global batch."""
         current = self.train.current
         if current is not None:
-            for name in ("rows_dropped", "tokens_dropped", "microbatches_dropped"):
+            for name in COUNTERS:
                 setattr(self.train, name, getattr(self.train, name) - getattr(current, name))
             self.train.current = None
 

@@ -14,6 +14,7 @@ import socket
 import pytest
 
 import grpo_patches
+from tests.helpers import nemo_trim_cases as trim_cases
 from tests.helpers import nemo_worker_cases as cases
 from grpo_patches.testing import nemo_rl_cpu as harness
 from tests.compat_nemo_rl.dp2 import run_ranks
@@ -100,3 +101,19 @@ def test_two_data_parallel_ranks_stay_aligned(record_property):
         assert rank["grad_rel"] <= cases.TOL, rank
     assert results[0]["forwards_patched"] == results[1]["forwards_patched"] < results[0]["forwards_base"]
     assert sum(r["rows_dropped"] for r in results) > 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_kept_microbatches_are_trimmed(multiple, dynamic, record_property):
+    trim_cases.kept_microbatches_are_trimmed(TAG, harness.real_worker, record_property, multiple, dynamic=dynamic)
+
+
+@needs_new
+def test_trimmed_with_dropped_rows_metrics(record_property):
+    trim_cases.kept_microbatches_are_trimmed(TAG, harness.real_worker, record_property,
+                                             options={"dropped_rows_metrics": True})
+
+
+def test_one_column_too_many_is_caught():
+    trim_cases.one_column_too_many_is_caught(TAG, harness.real_worker)

@@ -64,7 +64,7 @@ def filter_matches_upstream(tag: str, factory: Factory, case: str, record_proper
     batch = make_batch(rows=rows)
     zero = [r for r in ZERO_ROWS if r < rows]
     base, patched = _both(tag, factory, batch, {"zero_advantage_filter": True}, loss, gbs=gbs, mbs=mbs,
-                          micro_batches=micro)
+                          micro_batches=micro, worker_kw={"dynamic": micro is not None})
     diff = max_grad_rel(patched, base)
     record_property(f"exact_filter_{label}{case}_grad_rel", diff)
     assert diff <= TOL, diff
