@@ -158,3 +158,28 @@ def test_a_wrong_filter_prediction_stops_the_run(monkeypatch):
     monkeypatch.setattr(plan, "filter_drops_zero_rows", lambda trainer: True)
     with pytest.raises(PlaceholderError, match="without old log-probs after 1 optimizer step"):
         _run(NO_FILTER, n_mini=2)
+
+
+# --- trainer subclasses: the deferred pass needs fit() to reach _update_actor ----------------
+
+
+def _subclass(fit_body: str) -> type:
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    namespace: dict = {}
+    exec(f"def fit(self):\n    {fit_body}\ndef step(self, batch):\n    return self._update_actor(batch)", namespace)
+    return type("RecipeTrainer", (RayPPOTrainer,), {"fit": namespace["fit"], "step": namespace["step"]})
+
+
+def test_a_fit_that_never_calls_update_actor_runs_the_whole_pass():
+    """A recipe's fit() calling the workers' update itself would never run the deferred pass."""
+    got = _run(FILTER, n_mini=4, trainer_class=_subclass("self.actor_rollout_wg.update_actor(None)"))
+    assert got.forwards == h.ROWS and _skipped(got) == 0.0
+    notes = [n for by in got.status["by_class"].values() for n in by.values()]
+    assert any("RecipeTrainer.fit never calls _update_actor" in n for n in notes), notes
+
+
+def test_a_fit_that_reaches_update_actor_through_helpers_keeps_the_minimal_pass():
+    """fit -> step -> _update_actor (as verl's SeparateRayPPOTrainer does): deferred as in verl's own fit."""
+    got = _run(FILTER, n_mini=4, trainer_class=_subclass("self.step(None)"))
+    assert got.forwards < h.ROWS and _skipped(got) > 0

@@ -20,15 +20,16 @@ filter packing rows a row whose advantage is exactly 0 never reaches a loss. So:
 Saving: ``grpo_patches/old_logprob_rows_skipped`` in the update's metrics (and ``status()``):
 the rows verl's pass would have computed (the whole batch) minus those the pass ran on.
 The full pass runs, with the reason in ``status()``, when something else reads the old
-log-probs, when one optimizer step consumes the batch (``logprob_skip``'s case), when every row
-is needed, under verify mode, on the Megatron workers, or when the workers do not substitute.
+log-probs, when one optimizer step consumes the batch (``logprob_skip``'s case), when the
+trainer class's ``fit`` has no path to ``_update_actor`` (a recipe's own loop calling the workers:
+:func:`grpo_patches.call_reach.reaches`), when every row is needed, under verify mode, on the Megatron workers, or when the workers do not substitute.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches import api, call_reach
 
 from . import metrics as verl_metrics
 from . import placeholder
@@ -115,6 +116,8 @@ def why_every_row(trainer: Any, rows: int, options: Any, elsewhere: str | None) 
         return "" if options.logprob_skip else "one optimizer step consumes the batch (logprob_skip=False runs it)"
     if elsewhere:
         return elsewhere
+    if not call_reach.reaches(type(trainer), "fit", "_update_actor"):
+        return f"{type(trainer).__qualname__}.fit never calls _update_actor, where the deferred pass runs"
     if epochs > 1 and not filter_drops_zero_rows(trainer):
         return "every row is read after an optimizer step (ppo_epochs > 1, no zero-advantage filter dropping rows)"
     if options.verify_every is not None:

@@ -76,14 +76,15 @@ def zero_rows(fraction: float, rows: int = h.ROWS) -> tuple[int, ...]:
 
 def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = False, dynamic: bool = False,
         zero: tuple[int, ...] = h.ZERO_ROWS["interleaved"], rank: int = 0, world: int = 1, shard: bool = False,
-        worker: Any = None) -> h.Run:
+        worker: Any = None, trainer_class: type | None = None) -> h.Run:
     """One trainer step (old-logprob pass, update) patched with ``options`` (``None``: off).
-    ``worker``: an :class:`~verl_actor_runs.EngineWorker` (engine line), else the legacy actor."""
+    ``worker``: an :class:`~verl_actor_runs.EngineWorker` (engine line), else the legacy actor;
+    ``trainer_class``: a ``RayPPOTrainer`` subclass to run the methods of."""
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     mini = h.ROWS // n_mini  # rows per rank and mini-batch
-    trainer = object.__new__(RayPPOTrainer)  # no Ray: only the methods under test run
+    trainer = object.__new__(trainer_class or RayPPOTrainer)  # no Ray: only the methods under test run
     trainer.config = trainer_config(mini=mini * world, epochs=epochs, shuffle=shuffle, dynamic=dynamic)
     trainer.use_legacy_worker_impl = "disable" if worker is not None else "auto"
     h.patches(options)
