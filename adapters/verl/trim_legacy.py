@@ -26,7 +26,11 @@ Not trimmed (the forward runs as verl's): remove-padding on (verl unpads every r
 ``attention_mask``: no padding is computed, nothing to cut), fused kernels (and so the tiled
 loss, which describes the untrimmed positions: :mod:`.tiled_legacy`), Ulysses sequence
 parallelism (needs remove-padding), ``use_prefix_grouper`` (refused by the filter), multimodal
-inputs and mrope's 3-D ``position_ids``, and ``dropped_rows_metrics=True`` (verl's own micro-batches).
+inputs and mrope's 3-D ``position_ids``, ``dropped_rows_metrics=True`` (verl's own micro-batches),
+and the no-grad old-logprob pass (``compute_log_prob``; the minimal pass of :mod:`.old_logprob_rows`
+runs it on a row subset through the worker group, outside any update this module sees: trimming it
+would need a worker-side record of its own, and its log-probs at padding columns go back to the
+trainer).
 
 The engine line (0.8.0-0.9.x, :mod:`.filter_engine`) needs no trim: its micro-batches are nested
 (jagged) tensors, one row each of exactly its own tokens; without remove-padding the FSDP engine
