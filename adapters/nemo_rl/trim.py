@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_patches.padding_columns import used_span
+
 
 def multiple_of(cfg: Any, dynamic: bool) -> int:
     """What a trimmed width stays a multiple of, from the worker's policy config."""
@@ -38,16 +40,12 @@ def multiple_of(cfg: Any, dynamic: bool) -> int:
 
 def used_width(microbatch: Any) -> int:
     """The columns some row of ``microbatch`` uses: its longest input, or its last loss token."""
-    import torch
-
     width = 0
     if "input_lengths" in microbatch:
         width = int(microbatch["input_lengths"].max())
-    mask = microbatch["token_mask"] if "token_mask" in microbatch else None
-    if mask is not None:
-        marked = torch.nonzero(mask.bool().any(dim=0)).flatten()
-        if marked.numel():
-            width = max(width, int(marked[-1]) + 1)
+    span = used_span(microbatch["token_mask"]) if "token_mask" in microbatch else None
+    if span is not None:
+        width = max(width, span[1])
     return width
 
 

@@ -30,8 +30,9 @@ trimmed columns, summed over both passes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
+
+from grpo_patches.padding_columns import Columns, used_span
 
 from .row_subsets import WithRowInputs, is_multimodal
 
@@ -44,22 +45,6 @@ ARANGE_POSITIONS = frozenset({
 })
 
 
-@dataclass(frozen=True)
-class Columns:
-    """The columns cut from one call: ``lead`` leading and ``tail`` trailing ones."""
-
-    lead: int = 0
-    tail: int = 0
-
-    @property
-    def any(self) -> bool:
-        return bool(self.lead or self.tail)
-
-    def tokens(self, rows: int) -> int:
-        """Token positions not computed for ``rows`` rows."""
-        return rows * (self.lead + self.tail)
-
-
 def model_type(model: Any) -> str | None:
     """``config.model_type`` of ``model`` under its DDP / accelerate wrappers (PEFT forwards it)."""
     while hasattr(model, "module"):
@@ -70,20 +55,16 @@ def model_type(model: Any) -> str | None:
 def columns(arguments: Mapping[str, Any]) -> Columns:
     """The leading and trailing columns no row of ``arguments`` (TRL's log-prob call, already
     cut to the kept rows) attends to, that can be cut exactly (module docstring)."""
-    import torch
-
     mask = arguments.get("attention_mask")
     multimodal = is_multimodal(arguments) or isinstance(arguments.get("model"), WithRowInputs)  # a row subset's
-    if mask is None or multimodal or mask.numel() == 0:
-        return Columns()
-    used = torch.nonzero(mask.bool().any(dim=0)).flatten()
-    if not used.numel():
+    span = None if mask is None or multimodal else used_span(mask)
+    if span is None:
         return Columns()
     width, keep = int(mask.size(1)), int(arguments["logits_to_keep"])
-    tail = min(width - 1 - int(used[-1]), keep - 1)
+    tail = min(width - span[1], keep - 1)
     lead = 0
     if model_type(arguments.get("model")) in ARANGE_POSITIONS:
-        lead = min(int(used[0]), width - keep - 1)  # the last prompt column predicts the first token
+        lead = min(span[0], width - keep - 1)  # the last prompt column predicts the first token
     return Columns(lead=max(lead, 0), tail=max(tail, 0))
 
 

@@ -9,7 +9,9 @@ the line whose internals it wraps. Records on one attribute stack in table order
   (``verl.workers.engine.megatron.transformer_impl``: Megatron's pipeline schedule and
   per-token loss, :mod:`.filter_megatron`), the legacy Megatron actor (``MegatronPPOActor``,
   0.6.1-0.7.x: :mod:`.filter_megatron_legacy`); ``dropped_rows_metrics=True``:
-  :mod:`.filter_legacy_nograd`, :mod:`.filter_engine_nograd`.
+  :mod:`.filter_legacy_nograd`, :mod:`.filter_engine_nograd`; the legacy actor's kept rows
+  without remove-padding run on the columns they use (:mod:`.trim_legacy`; the engine line
+  pads each micro-batch to its own rows already).
 - reference pass at KL coefficient 0 (:mod:`.reference`): every binding of
   ``need_reference_policy`` (no reference model), the loss without its KL term on every line.
 - old-logprob pass on on-policy updates (:mod:`.old_logprobs`: the trainer's pass;

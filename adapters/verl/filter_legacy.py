@@ -24,6 +24,9 @@ packed into fewer micro-batches, so the dropped rows cost no forward and no back
 the kept rows run with autograd and the dropped rows in a no-grad forward, so every metric
 is verl's own (:mod:`.filter_legacy_nograd`). Metrics of the default mode: see
 :func:`update_policy`.
+
+Without remove-padding, each packed micro-batch's training forward runs on the columns its
+rows use (:mod:`.trim_legacy`; ``grpo_patches/padding_tokens_skipped``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any, Callable
 from grpo_patches import api
 
 from . import metrics as verl_metrics
+from . import trim_legacy
 from .filter import filter_mode
 from .filter_legacy_nograd import split_forward, world_size
 from .multimodal import has_multimodal_inputs
@@ -61,6 +65,8 @@ class Update:
     padding_rows: int = 0
     grad_rows: int = 0  # rows through a forward with autograd
     micro_batches: int = 0
+    padding_tokens_skipped: int = 0  # kept rows x padding columns cut from their forward (:mod:`.trim_legacy`)
+    trim: bool = False
 
 
 @dataclass
@@ -196,7 +202,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     if mode is None:
         return wrapped(*args, **kwargs)
     kind = denominator(line_of(verl_version()), effective_agg_mode(instance.config))
-    update = Update(instance, mode, kind)
+    update = Update(instance, mode, kind, trim=mode == "pack" and trim_legacy.applies(instance))
     data, rebind = _bind_data(args, kwargs)
     if has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
         return wrapped(*args, **kwargs)  # per-row object arrays: not tested, never filtered
@@ -214,6 +220,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         rows_dropped=(update.rows_in - update.rows_kept - update.padding_rows) // per_epoch,
         tokens_dropped=update.tokens_dropped // per_epoch,
         padding_rows=update.padding_rows // per_epoch,
+        padding_tokens_skipped=update.padding_tokens_skipped,  # every epoch's forwards
     )
     return out
 
@@ -269,7 +276,11 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
         micro["rollout_is_weights"] = (micro["rollout_is_weights"] / new).to(torch.float32)
         update.grad_rows += int(mask.shape[0])
         update.micro_batches += 1
-        return wrapped(*args, **kwargs)
+        if not update.trim:
+            return wrapped(*args, **kwargs)
+        out, skipped = trim_legacy.forward(wrapped, micro, args, kwargs)
+        update.padding_tokens_skipped += skipped
+        return out
     return split_forward(wrapped, update, micro, args, kwargs)
 
 

@@ -173,6 +173,7 @@ class Run:
     nograd_rows: int = 0
     status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] right after the update
     weights: dict = field(default_factory=dict)  # the model's weights after the update (legacy_run)
+    grad_shapes: list = field(default_factory=list)  # (rows, columns) of each padded autograd forward
 
 
 def count_forwards(model: torch.nn.Module, run: Run) -> None:
@@ -182,6 +183,8 @@ def count_forwards(model: torch.nn.Module, run: Run) -> None:
         run.forwards += 1
         if torch.is_grad_enabled():
             run.grad_rows += rows
+            if not ids.is_nested:
+                run.grad_shapes.append(tuple(ids.shape))
         else:
             run.nograd_rows += rows
 
