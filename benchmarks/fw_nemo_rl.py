@@ -26,6 +26,11 @@ when both are skipped); with ``spec["verify_every"]`` (``frameworks.py --verify`
 turn verify mode on and report its largest figures (``verify_figures``). ``spec["mini_batches"]`` = N
 sets ``train_global_batch_size`` to 1/N of the rollout; the old-logprob rows are the rows of the
 passes run less ``grpo_patches/old_logprob_rows_skipped`` in NeMo-RL's metrics (absent = 0).
+v0.6.0 also reports ``policy_tokens``: rows x columns of ``input_ids`` through the model's
+forwards with gradients (the training passes), counted by a forward pre-hook beneath the patches
+(the entry-point runs do not count them: the worker is a Ray actor). The patched v0.6.0 run tells
+the driver side that its workers are patched (they are this process), as ``grpo-patches run``
+does for Ray workers: else ``recompute`` would compute every row.
 ``variable_lengths`` boosts the tiny model's ``<eos>`` (v0.6.0's HF generation; the entry
 point's stand-in generation keeps its own lengths). Called by ``_framework_worker.py``; the source comes on
 ``PYTHONPATH`` (``frameworks.py --nemo-rl-tag``); v0.5.0 is "not run".
@@ -46,7 +51,16 @@ class _Group:
 
     def __init__(self, worker: Any) -> None:  # forwards: the model's, to show a skipped pass runs none
         self.worker, self.calls, self.forwards, self.logprob_forwards = worker, {}, [0], 0
-        worker.model.register_forward_pre_hook(lambda *a: self.forwards.__setitem__(0, self.forwards[0] + 1))
+        self.policy_tokens = 0  # rows x columns of the forwards with gradients (the training passes)
+        worker.model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        self.forwards[0] += 1
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and torch.is_grad_enabled():
+            self.policy_tokens += int(ids.numel())
 
     def run_all_workers_sharded_data(self, method: str, data: list, common_kwargs: dict | None = None, **_: Any) -> list:
         self.calls[method] = self.calls.get(method, 0) + 1
@@ -99,6 +113,9 @@ def _fill_policy(policy: Any, worker: Any, config: Any) -> None:
     policy.use_dynamic_batches = policy.use_sequence_packing = False
     policy.flops_tracker = None
     policy.worker_group = _Group(worker)
+    # Memory moves (GPU offload), not run in this process: also where the patched driver calls them
+    # around its deferred prev-logprob pass (Policy.train).
+    policy.prepare_for_lp_inference = policy.prepare_for_training = lambda *a, **k: None
 
 
 def _setup(tag: str, spec: dict[str, Any], patched: bool) -> tuple[Any, Any]:
@@ -265,6 +282,17 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _workers_in_this_process(verify_every: int | None) -> None:
+    """Tell the driver side that its workers are patched: here the worker runs in this process,
+    under the same ``enable()`` (the adapter checks the Ray workers' start-up path instead, which
+    a one-process run has none of; without this, ``recompute`` would fall back to every row)."""
+    from grpo_patches.adapters.nemo_rl import driver_setup
+    from grpo_patches.startup_path import OPTIONS_ENV
+
+    driver_setup.workers_reached = lambda environ=os.environ: (True, "the worker runs in this process")
+    os.environ[OPTIONS_ENV] = f"verify_every={verify_every}" if verify_every else ""  # the options it reads
+
+
 def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     from grpo_patches.testing import nemo_rl_cpu as harness
 
@@ -285,6 +313,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     from grpo_patches.testing.nemo_rl_tags import make_loss
 
     if patched:
+        _workers_in_this_process(spec.get("verify_every"))
         grpo_patches.enable("nemo_rl", verify_every=spec.get("verify_every"))  # the defaults (frameworks.py --verify: verify mode)
     config, policy = _setup(tag, spec, patched)
     loss_fn, group = make_loss(tag), policy.worker_group
@@ -322,4 +351,4 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             "reference_passes": passes["get_reference_policy_logprobs"], "logprob_pass_forwards": group.logprob_forwards,
             "rows_dropped": dropped, "rows_total": total, "verify_figures": figures,
             "old_logprob_rows": passes["get_logprobs"] * spec["prompts"] * spec["generations"],
-            "old_logprob_rows_skipped": skipped}
+            "old_logprob_rows_skipped": skipped, "policy_tokens": group.policy_tokens}

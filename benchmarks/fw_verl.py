@@ -11,7 +11,9 @@ mini-batch, one epoch (verl computes old log-probs it then ignores); ``spec["min
 Rows through the old-logprob pass are counted by the worker group (net: with ``recompute`` the
 trainer's ``_update_actor`` hands it only the rows a loss reads after an optimizer step); the
 rows whose pass the patches skipped are read from verl's metrics
-(``grpo_patches/old_logprob_rows_skipped``, absent = 0). With ``variable_lengths`` the policy is the tiny model with a boosted ``<eos>``. Called by
+(``grpo_patches/old_logprob_rows_skipped``, absent = 0). Policy tokens: rows x columns of
+``input_ids`` through the policy's forwards with gradients (the update's; verl pads them here:
+no remove-padding), counted by a forward pre-hook beneath the patches. With ``variable_lengths`` the policy is the tiny model with a boosted ``<eos>``. Called by
 ``_framework_worker.py``.
 """
 
@@ -53,6 +55,22 @@ class _Group:
 
     def compute_ref_log_prob(self, data: Any) -> Any:
         return self._log_probs(data, "ref_log_prob", False)
+
+
+class _TokenCounter:
+    """Token positions (rows x columns of ``input_ids``) through a model's forwards with gradients:
+    the policy update's forwards (the log-prob passes run without gradients)."""
+
+    def __init__(self, model: Any) -> None:
+        self.tokens = 0
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and torch.is_grad_enabled():
+            self.tokens += int(ids.numel())
 
 
 def _config(spec: dict[str, Any]) -> Any:
@@ -139,6 +157,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
                                        eos_boost=workload.eos_boost(spec)).float()
     tokenizer = tiny_model.build_tokenizer()
     actor = _actor(model, spec)
+    counter = _TokenCounter(model)
     trainer = object.__new__(ray_trainer.RayPPOTrainer)  # no Ray: fit()'s per-step methods on this process
     trainer.config = _config(spec)
     trainer.use_legacy_worker_impl = "auto"
@@ -169,7 +188,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             "old_logprob_passes": trainer.actor_rollout_wg.calls, "reference_passes": trainer.ref_policy_wg.calls,
             "rows_dropped": dropped, "rows_total": total,
             "old_logprob_rows": trainer.actor_rollout_wg.rows, "old_logprob_rows_net": True,
-            "old_logprob_rows_skipped": skipped}
+            "old_logprob_rows_skipped": skipped, "policy_tokens": counter.tokens}
 
 
 def _as_list(value: Any) -> list[float]:

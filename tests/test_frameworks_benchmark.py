@@ -232,3 +232,29 @@ def test_variable_lengths_vary_the_prompts_and_the_eos():
     assert len(words) > 3 and min(words) >= 2 and max(words) <= 8
     assert workload.eos_boost(spec) == workload.EOS_BOOST and workload.eos_boost(SPEC) == 1.0
     assert [len(p.split()) for p in workload.prompt_texts(SPEC)] == [4] * SPEC["prompts"]
+
+
+def test_policy_token_counters_count_only_forwards_with_gradients():
+    """verl's legacy runner and NeMo-RL v0.6.0's count rows x columns of the forwards with gradients
+    (the update's), not the log-prob passes' (no gradients), whether ids come by keyword or position."""
+    import torch
+
+    import fw_nemo_rl
+    import fw_verl
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids=None, **_):
+            return input_ids
+
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    model = Model()
+    counter = fw_verl._TokenCounter(model)
+    worker = type("Worker", (), {"model": Model()})()
+    group = fw_nemo_rl._Group(worker)
+    for m in (model, worker.model):
+        m(input_ids=ids)
+        m(ids)
+        with torch.no_grad():
+            m(input_ids=ids)
+    assert counter.tokens == group.policy_tokens == 42
+    assert group.forwards[0] == 3  # every forward still counts as one (the skipped-pass check)

@@ -152,6 +152,7 @@ class Run:
     metrics: list[dict[str, float]] = field(default_factory=list)  # verl's metrics, one dict per step
     status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] from the training worker
     peak_rss_mb: float = 0.0  # the training worker's
+    policy_tokens: int = 0  # token positions through the actor's forwards with gradients (the training worker's)
     weights: dict = field(default_factory=dict)  # the actor's final weights
     seconds: float = 0.0
     log: str = ""
@@ -234,7 +235,7 @@ def train(assets: Assets, cluster: RayCluster, out: str | os.PathLike, *, v1: bo
     if len(statuses) != 1 or len(weights) != 1:
         raise RuntimeError(f"expected one training worker's status and weights in {out}: {statuses} {weights}")
     report = json.loads(Path(statuses[0]).read_text())
-    run.status, run.peak_rss_mb = report["status"], report["peak_rss_mb"]
+    run.status, run.peak_rss_mb, run.policy_tokens = report["status"], report["peak_rss_mb"], report["policy_tokens"]
     import torch
 
     run.weights = torch.load(weights[0])
