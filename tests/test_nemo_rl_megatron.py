@@ -1,19 +1,29 @@
-"""NeMo-RL's Megatron policy worker: the zero-advantage filter does not cover it yet, and says so.
+"""NeMo-RL's Megatron policy worker: where the zero-advantage filter runs, and the notes where it does not.
 
 On each tag's stand-in (:mod:`tests.helpers.nemo_fake`), ``grpo.setup`` with ``policy.megatron_cfg.enabled``:
-``"auto"`` notes it in ``status()``, ``True`` raises before training, a DTensor policy gets no note.
+on v0.7.0 the worker is patched (the filter decides there, per train call; proven on the real worker in
+``tests/compat_nemo_rl/test_real_megatron_filter.py``), so setup says nothing; on the other tags
+``"auto"`` notes in ``status()`` why that tag's worker is not patched and ``True`` raises before
+training; a DTensor policy gets no note. The Megatron settings the worker-side filter does not cover
+yet are listed by :func:`~grpo_patches.adapters.nemo_rl.filter_megatron.problems`.
 """
 
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
+from packaging.version import Version
 
 import grpo_patches
+from grpo_patches.adapters.nemo_rl import PATCHES
+from grpo_patches.adapters.nemo_rl.filter_megatron import problems
 from grpo_patches.errors import IncompatibleOptionsError
 from tests.helpers import nemo_fake
 from tests.helpers.nemo_fixtures import fake_nemo  # noqa: F401  (fixture)
+
+MEGATRON = "nemo_rl.models.policy.workers.megatron_policy_worker"
 
 
 def _setup(tag: str, megatron: bool):
@@ -23,16 +33,50 @@ def _setup(tag: str, megatron: bool):
     return grpo.setup(config, None, None, None)
 
 
-@pytest.mark.parametrize("tag", nemo_fake.TAGS)
-def test_auto_notes_and_true_refuses(fake_nemo, tag):  # noqa: F811
+@pytest.mark.parametrize("tag", [t for t in nemo_fake.TAGS if t != "v0.7.0"])
+def test_unpatched_tags_auto_notes_and_true_refuses(fake_nemo, tag):  # noqa: F811
     fake_nemo(tag)
     grpo_patches.enable("nemo_rl", zero_advantage_filter="auto")
     _setup(tag, megatron=False)
     assert "Megatron" not in str(grpo_patches.status()["nemo_rl"]["notes"].get("zero_advantage_filter"))
     _setup(tag, megatron=True)
     note = grpo_patches.status()["nemo_rl"]["notes"]["zero_advantage_filter"]
-    assert note.startswith("off: NeMo-RL's Megatron policy worker"), note
+    assert note.startswith("off: NeMo-RL ") and "Megatron worker is not patched" in note, note
+    assert "v0.7.0's Megatron worker" in note, note
     grpo_patches.disable("nemo_rl")
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
-    with pytest.raises(IncompatibleOptionsError, match="Megatron policy worker"):
+    with pytest.raises(IncompatibleOptionsError, match="Megatron worker is not patched"):
         _setup(tag, megatron=True)
+
+
+def test_v070_setup_leaves_the_decision_to_the_worker(fake_nemo):  # noqa: F811
+    fake_nemo("v0.7.0")
+    grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
+    _setup("v0.7.0", megatron=True)  # no error: the patched worker decides per train call
+    assert "Megatron" not in str(grpo_patches.status()["nemo_rl"]["notes"].get("zero_advantage_filter"))
+
+
+def test_megatron_worker_records_are_v070_only():
+    records = [t for t in PATCHES if t.module == MEGATRON]
+    assert {t.attribute for t in records} == {"process_global_batch", "get_microbatch_iterator",
+                                              "aggregate_training_statistics"}
+    for target in records:
+        assert target.option == "zero_advantage_filter" and target.pickle_by_reference
+        assert [v for v in ("0.6.0", "0.7.0", "0.8.0.dev0") if target.applies_to(Version(v))] == ["0.7.0"]
+
+
+def _cfg(**megatron):
+    return {"megatron_cfg": {"pipeline_model_parallel_size": 1, "context_parallel_size": 1, **megatron},
+            "dynamic_batching": {"enabled": False}, "sequence_packing": {"enabled": False}}
+
+
+def test_problems_name_each_uncovered_setting():
+    model = SimpleNamespace(mtp_num_layers=None)
+    assert problems(_cfg(), model, False) == []
+    assert "pipeline_model_parallel_size" in problems(_cfg(pipeline_model_parallel_size=2), model, False)[0]
+    assert "context_parallel_size" in problems(_cfg(context_parallel_size=2), model, False)[0]
+    dynamic = {**_cfg(), "dynamic_batching": {"enabled": True}}
+    assert "dynamic_batching" in problems(dynamic, model, False)[0]
+    assert "dropped_rows_metrics=False" in problems(_cfg(), model, True)[0]
+    assert "mtp_num_layers" in problems(_cfg(), SimpleNamespace(mtp_num_layers=1), False)[0]
+    assert "draft" in problems({**_cfg(), "draft": {"enabled": True}}, model, False)[0]

@@ -2,15 +2,15 @@
 
 The version is read from the source (:mod:`.version`; main reports ``0.8.0.dev0``).
 :data:`PATCHES` is the adapter's one patch table; each record narrows the supported range to
-the tag lines whose code it fits (``V05`` = v0.5.0, ``V06`` = v0.6.0, ``V07`` = v0.7.0 and
-main). Driver records act in the process that runs ``grpo_train``; worker records act in the
+the tag lines whose code it fits (``V05`` = v0.5.0, ``V06`` = v0.6.0, ``V07`` = v0.7.0,
+``MAIN`` = main, ``V07_UP`` = v0.7.0 and main). Driver records act in the process that runs ``grpo_train``; worker records act in the
 Ray workers, which get grpo_patches through the start-up directory (``grpo-patches run``).
 
 Driver:
 
 - ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`); with a
-  Megatron policy (``zero_advantage_filter``): the filter does not cover that worker yet, a note
-  or an error (:mod:`.filter_megatron`).
+  Megatron policy (``zero_advantage_filter``) on a tag other than v0.7.0: the filter does not
+  cover that tag's Megatron worker, a note or an error (:mod:`.filter_megatron`).
 - ``Policy.__init__``, ``Policy.get_reference_policy_logprobs`` (V05, V06; ``logprob_skip``):
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
 - ``grpo.grpo_train`` (``logprob_skip``) with ``opd._skip_prev_logprobs`` (V07+) or
@@ -39,6 +39,8 @@ Workers:
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
   (V06+, ``zero_advantage_filter``): :mod:`.filter_v060`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
+- ``process_global_batch``, ``get_microbatch_iterator`` and ``aggregate_training_statistics`` of the
+  Megatron worker module (V07, ``zero_advantage_filter``): :mod:`.filter_megatron_worker`.
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
   :mod:`.tiled`.
@@ -58,10 +60,12 @@ from .version import origin, read_version
 
 _H = "grpo_patches.adapters.nemo_rl"
 V05, V06, V05_V06, V06_UP, V07_UP = "<0.6.0", ">=0.6.0,<0.7.0", "<0.7.0", ">=0.6.0", ">=0.7.0"
+V07, MAIN = ">=0.7.0,<0.8.0.dev0", ">=0.8.0.dev0"
 GRPO = "nemo_rl.algorithms.grpo"
 POLICY = "nemo_rl.models.policy.lm_policy"
 LOGGER = "nemo_rl.utils.logger"
 WORKER = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2"
+MEGATRON = "nemo_rl.models.policy.workers.megatron_policy_worker"
 TRAIN = "nemo_rl.models.automodel.train"
 BATCH = "nemo_rl.distributed.batched_data_dict"
 LOSS_V05 = "nemo_rl.algorithms.loss_functions"
@@ -118,8 +122,16 @@ PATCHES = (
                 option=VERIFY, pickle_by_reference=True),
     PatchTarget(WORKER, "automodel_forward_backward", f"{_H}.verify:forward_backward_wrapper", versions=V06_UP,
                 option=VERIFY, pickle_by_reference=True),
-    # driver: the filter does not cover the Megatron policy worker yet (a note, or an error for True)
-    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", option=FILTER),
+    # NeMo-RL v0.7.0's Megatron policy worker: the filter (its worker module's names, as for the DTensor worker)
+    PatchTarget(MEGATRON, "process_global_batch", f"{_H}.filter_megatron_worker:process_global_batch_wrapper",
+                versions=V07, option=FILTER, pickle_by_reference=True),
+    PatchTarget(MEGATRON, "get_microbatch_iterator", f"{_H}.filter_megatron_worker:microbatch_iterator_wrapper",
+                versions=V07, option=FILTER, pickle_by_reference=True),
+    PatchTarget(MEGATRON, "aggregate_training_statistics", f"{_H}.filter_megatron_worker:aggregate_wrapper",
+                versions=V07, option=FILTER, pickle_by_reference=True),
+    # driver: the other tags' Megatron worker is not patched (a note, or an error for True)
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=V05_V06, option=FILTER),
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=MAIN, option=FILTER),
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:verify_setup_wrapper", versions=V06_UP, option=VERIFY),
 )
 

@@ -52,15 +52,18 @@ def zero_logprobs(data: Any) -> Any:
 
 #: The DTensor policy worker v2's source file (every tag): its ``train`` frame is found by it.
 WORKER_FILE = "dtensor_policy_worker_v2.py"
+#: The Megatron policy worker's source file (:mod:`.filter_megatron_worker`).
+MEGATRON_WORKER_FILE = "megatron_policy_worker.py"
 
 
-def worker_train_frame(frame: FrameType | None) -> FrameType | None:
-    """The DTensor worker's ``train`` frame when it is ``frame`` (a wrapper's caller) or just above."""
+def worker_train_frame(frame: FrameType | None, worker_file: str = WORKER_FILE) -> FrameType | None:
+    """The worker's ``train`` frame (``worker_file``: the DTensor worker's by default) when it is
+    ``frame`` (a wrapper's caller) or just above."""
     for _ in range(4):  # the patching layer's call-site trampoline and wrapt's pure-Python fallback add frames
         if frame is None:
             return None
         code = frame.f_code
-        if code.co_name == "train" and code.co_filename.endswith(WORKER_FILE):
+        if code.co_name == "train" and code.co_filename.endswith(worker_file):
             return frame
         frame = frame.f_back
     return None

@@ -82,16 +82,17 @@ def dp_reduce(values: list[float], group: Any, device: Any, op: str) -> list[flo
     return [float(v) for v in tensor.tolist()]
 
 
-def zero_weight(data: Any, row: int, length: int | None = None, multiple: int = 1) -> Any:
+def zero_weight(data: Any, row: int, length: int | None = None, multiple: int | None = 1) -> Any:
     """One row of ``data`` whose loss is exactly 0 (``sample_mask`` 0): a DP-alignment micro-batch,
-    cut to its row's columns."""
+    cut to its row's columns (``multiple=None``: not cut)."""
     import torch
 
     mb = data.select_indices([row])
     mb["sample_mask"] = torch.zeros_like(mb["sample_mask"])
     if length is not None:
         mb.truncate_tensors(dim=1, truncated_len=length)
-    trim(mb, multiple)
+    if multiple is not None:
+        trim(mb, multiple)
     return mb
 
 
@@ -103,14 +104,18 @@ class Layout:
     metrics_only: list[Any] = field(default_factory=list)
 
 
+def _trim(microbatch: Any, multiple: int | None) -> int:
+    return 0 if multiple is None else trim(microbatch, multiple)
+
+
 def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, int]] | None,
-            multiple: int) -> tuple[list[Any], int]:
+            multiple: int | None) -> tuple[list[Any], int]:
     """The micro-batches of ``rows``, and the padding token positions cut from them."""
     if ranges is None:
         out, cut = [], 0
         for i in range(0, len(rows), mbs):
             mb = data.select_indices(rows[i:i + mbs])
-            cut += trim(mb, multiple) * len(rows[i:i + mbs])
+            cut += _trim(mb, multiple) * len(rows[i:i + mbs])
             out.append(mb)
         return out, cut
     chosen = set(rows)
@@ -120,20 +125,21 @@ def _chunks(data: Any, rows: list[int], mbs: int, ranges: list[tuple[int, int, i
         if inside:
             mb = data.select_indices(inside)
             mb.truncate_tensors(dim=1, truncated_len=length)
-            cut += trim(mb, multiple) * len(inside)
+            cut += _trim(mb, multiple) * len(inside)
             out.append(mb)
     return out, cut
 
 
 def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_for_dropped: bool,
-         keep_dropped: bool = False, multiple: int = 1) -> tuple[Layout, GlobalBatchFilter]:
+         keep_dropped: bool = False, multiple: int | None = 1) -> tuple[Layout, GlobalBatchFilter]:
     """The micro-batches of one local global batch with the zero-advantage rows left out.
 
     :param metrics_for_dropped: ``dropped_rows_metrics=True``: the dropped rows follow as
         metrics-only micro-batches.
     :param keep_dropped: keep the dropped rows' data in the plan (their metrics that need no
         forward, :mod:`.metrics`).
-    :param multiple: a trimmed micro-batch's width stays a multiple of it (:func:`.trim.multiple_of`).
+    :param multiple: a trimmed micro-batch's width stays a multiple of it (:func:`.trim.multiple_of`);
+        ``None``: no micro-batch is trimmed (every one keeps the global batch's width).
     """
     from grpo_patches.plugins import hook
 

@@ -89,7 +89,7 @@ def gradient_terms(loss_fn: Any, *, moe: bool = False) -> list[GradientTerm]:
 def is_mixture_of_experts(model: Any) -> bool:
     """Whether ``model``'s config declares routed experts."""
     config = getattr(model, "config", None)
-    for name in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
+    for name in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "num_moe_experts"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 1:
             return True

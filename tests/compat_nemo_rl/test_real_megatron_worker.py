@@ -1,4 +1,4 @@
-"""NeMo-RL's real Megatron policy worker, unpatched, on a CPU (the harness the Megatron filter will use).
+"""NeMo-RL's real Megatron policy worker, unpatched, on a CPU (the harness test_real_megatron_filter.py uses).
 
 ``MegatronPolicyWorkerImpl.train`` and ``get_logprobs`` of the NeMo-RL source on the path run on a
 tiny megatron-core ``GPTModel`` (:mod:`tests.helpers.nemo_rl_megatron_harness`) and are checked

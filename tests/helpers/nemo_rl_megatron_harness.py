@@ -135,9 +135,9 @@ def modules_that_see_te() -> list[str]:
     return seen + [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]
 
 
-def setup() -> Any:
-    """Shims, a gloo group of one, megatron-core's parallel state; returns the worker module.
-    Skips (under pytest) without a NeMo-RL source or Megatron-Bridge on the path."""
+def setup(rank: int = 0, world: int = 1, port: int | None = None) -> Any:
+    """Shims, a gloo group (of one; ``world`` ranks are data parallel), megatron-core's parallel state;
+    returns the worker module. Skips (under pytest) without a NeMo-RL source or Megatron-Bridge on the path."""
     from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
@@ -151,7 +151,7 @@ def setup() -> Any:
     from tests.helpers import megatron_cpu_shim
 
     megatron_cpu_shim.install()  # before megatron-core builds or allocates anything
-    init_gloo()
+    init_gloo(rank, world, port)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -181,8 +181,9 @@ def tiny_gpt(seed: int = 0) -> Any:
                     position_embedding_type="rope")
 
 
-def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1) -> Any:
-    """The real ``MegatronPolicyWorkerImpl`` object with a fresh tiny GPT (same seed, same weights)."""
+def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int = 1) -> Any:
+    """The real ``MegatronPolicyWorkerImpl`` object with a fresh tiny GPT (same seed, same weights);
+    ``dp``: the data-parallel size :func:`setup` made."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -192,6 +193,10 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1) -> Any:
     worker_module = setup()
     gpt = tiny_gpt(seed)
     model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(use_distributed_optimizer=False), gpt)
+    if dp > 1:  # the schedule's gradient all-reduce over DP (Megatron-Bridge's setup sets it in NeMo-RL)
+        from megatron.core.distributed import finalize_model_grads
+
+        gpt.config.finalize_model_grads_func = finalize_model_grads
     optimizer_config = OptimizerConfig(optimizer="sgd", lr=lr, clip_grad=0.0, params_dtype=torch.float32)
     optimizer = get_megatron_optimizer(optimizer_config, [model])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
@@ -207,7 +212,7 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1) -> Any:
     worker.model, worker.optimizer, worker.scheduler = model, optimizer, scheduler
     worker.megatron_cfg = types.SimpleNamespace(optimizer=optimizer_config)  # Megatron-Bridge's ConfigContainer
     worker.mcore_state = types.SimpleNamespace(straggler_timer=StragglerDetector())  # Megatron-Bridge's GlobalState
-    worker.dp_size = 1
+    worker.dp_size = dp
     worker.dtype = torch.float32
     worker.fp8_cfg = None
     worker.sampling_params = None

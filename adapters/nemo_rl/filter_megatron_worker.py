@@ -1,0 +1,100 @@
+"""The zero-advantage filter in NeMo-RL v0.7.0's Megatron policy worker (``MegatronPolicyWorkerImpl.train``).
+
+``train()`` gets each global batch from ``process_global_batch`` (``global_valid_seqs`` /
+``global_valid_toks`` all-reduced over DP on the whole global batch), then its micro-batches and
+their count from ``get_microbatch_iterator``; both names are imported by the worker module from
+``nemo_rl.models.megatron.data``, and the worker module's names are wrapped (Ray ships the worker's
+methods by value, as for the DTensor worker: :mod:`.worker_train`). The call brackets and the
+decision are the DTensor worker's (:class:`~.state.TrainCall`, :func:`.filter.decide`), plus the
+Megatron settings not covered yet (:func:`.filter_megatron.problems`).
+
+Exactness: ``LossPostProcessor(num_microbatches=n)`` multiplies each micro-batch's loss by the
+``n`` the iterator returned, and Megatron's schedule divides it by the same ``n`` — the wrapped
+iterator returns its own count, so the two cancel as upstream and every kept row's loss keeps
+the unfiltered global denominators. Data-parallel ranks run the same number of micro-batches
+(zero-weight pads, :func:`.filter.plan`). Micro-batches keep the global batch's width (no column
+trim: the schedule gets one ``seq_length`` for all of them).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from grpo_patches import api
+from grpo_patches.caller_frame import unwrap
+from grpo_patches.refuse_or_note import refuse_or_note
+
+from .calls import MEGATRON_WORKER_FILE, arguments, worker_train_frame
+from .filter import decide, plan
+from .filter_megatron import problems
+from .metrics import report_filter_counters
+from .settings import setting
+from .state import ACTIVE_TRAIN, COUNTERS, FRAMEWORK, PREV_IS_CURRENT, TrainCall, active_train
+
+
+def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
+    local = frame.f_locals
+    worker = local.get("self")
+    train = TrainCall(worker=worker, loss_fn=loss_fn, frame_id=id(frame), code=frame.f_code)
+    options = api.active_options(FRAMEWORK)
+    policy_gradient = type(loss_fn).__name__ == "ClippedPGLossFn" and "advantages" in data
+    if options is None or options.zero_advantage_filter is False or local.get("eval_mode", False) \
+            or not policy_gradient:
+        return train
+    cfg = getattr(worker, "cfg", None) or {}
+    found = problems(cfg, getattr(getattr(worker, "model", None), "config", None), bool(options.dropped_rows_metrics))
+    if found:
+        refuse_or_note(FRAMEWORK, "zero_advantage_filter", found)
+        return train
+    train.filter_on = decide(loss_fn, worker, data, packing=bool(setting(cfg, "sequence_packing.enabled", False)))
+    return train
+
+
+def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size)``, as the Megatron
+    worker module names it: a train call begins at its first global batch."""
+    frame = worker_train_frame(sys._getframe(1), MEGATRON_WORKER_FILE)
+    if frame is not None:
+        call = arguments(wrapped, args, kwargs)
+        current = ACTIVE_TRAIN.get()
+        if current is None or current.frame_id != id(frame) or int(call["batch_idx"]) == 0:
+            ACTIVE_TRAIN.set(_begin(frame, call["loss_fn"], call["data"]))
+    return wrapped(*args, **kwargs)
+
+
+def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``get_microbatch_iterator(data, cfg, mbs, straggler_timer, ...)`` -> ``(iterator, count,
+    micro_batch_size, seq_length, padded_seq_length)``: the kept rows' micro-batches and their own count."""
+    train = active_train()
+    if train is None or not train.filter_on:
+        return wrapped(*args, **kwargs)
+    from megatron.core import parallel_state
+
+    call = arguments(wrapped, args, kwargs)
+    _, _, micro_batch_size, seq_length, padded = wrapped(*args, **kwargs)  # its shapes (its iterator is lazy)
+    loss_fn = train.loss_fn
+    prev_real = not (getattr(loss_fn, "force_on_policy_ratio", False) or getattr(loss_fn, PREV_IS_CURRENT, False))
+    layout, own = plan(call["data"], loss_fn, int(call["mbs"]), False, parallel_state.get_data_parallel_group(),
+                       False, keep_dropped=prev_real, multiple=None)
+    train.current = own
+    for name in COUNTERS:
+        setattr(train, name, getattr(train, name) + getattr(own, name))
+    data_module = sys.modules[unwrap(wrapped).__module__]  # nemo_rl.models.megatron.data
+    iterator = data_module.make_processed_microbatch_iterator(
+        raw_iterator=iter(layout.microbatches), cfg=call["cfg"], seq_length_key=call["seq_length_key"],
+        pad_individual_seqs_to_multiple_of=1, pad_packed_seq_to_multiple_of=1, straggler_timer=call["straggler_timer"],
+        pad_full_seq_to=None, delegate_pack_to_model=call["delegate_pack_to_model"])
+    return iterator, len(layout.microbatches), micro_batch_size, seq_length, padded
+
+
+def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``aggregate_training_statistics(...)`` -> ``(mb_metrics, global_loss)``, as the Megatron worker
+    module names it: the end of a train call; the filter's counters go into ``mb_metrics``."""
+    result = wrapped(*args, **kwargs)
+    train = active_train()
+    if train is not None:
+        if train.filter_on or train.rows_dropped:
+            report_filter_counters(train, {"all_mb_metrics": result[0]})
+        ACTIVE_TRAIN.set(None)
+    return result

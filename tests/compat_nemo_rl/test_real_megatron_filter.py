@@ -1,0 +1,174 @@
+"""The zero-advantage filter in NeMo-RL's real Megatron policy worker (v0.7.0), on a CPU.
+
+``MegatronPolicyWorkerImpl.train`` of the NeMo-RL source on the path runs on a tiny megatron-core
+``GPTModel`` (:mod:`tests.helpers.nemo_rl_megatron_harness`) twice from the same weights, patched
+and unpatched: the gradient of every optimizer step is equal (fp32, rel <= 1e-6), fewer rows go
+through the autograd forward (counted), the loss NeMo-RL reports is unchanged, and the filter's
+counters are in its metrics. A planted fault (the naive filter: the kept rows' loss renormalised by
+the kept tokens and rows) fails the same comparison; ``GRPO_PATCHES_PLANTED_FAULT=renormalise``
+plants it in every patched run here (the exactness tests must then fail). Skips without a NeMo-RL
+source (v0.7.0) or Megatron-Bridge on the path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import grpo_patches
+from grpo_patches.errors import IncompatibleOptionsError
+from grpo_patches.testing.nemo_rl_cpu import tag
+from grpo_patches.testing.nemo_rl_tags import make_loss
+from tests.compat_nemo_rl.megatron_dp2 import run_ranks
+from tests.helpers import nemo_rl_megatron_harness as harness
+from tests.helpers.nemo_worker_harness import ZERO_ROWS, batched, make_batch, rel
+
+WORKER = harness.setup()  # skips the module without a NeMo-RL source or Megatron-Bridge
+TAG = tag()
+PLANTED_FAULT = os.environ.get("GRPO_PATCHES_PLANTED_FAULT")
+
+
+@dataclass
+class Run:
+    step_grads: list[torch.Tensor]
+    metrics: dict[str, list]
+    rows_forwarded: int  # rows through the autograd forward
+
+
+@contextmanager
+def renormalising_filter() -> Iterator[None]:
+    """The planted fault: each global batch's loss divided by its kept (non-zero-advantage) tokens and
+    rows instead of NeMo-RL's unfiltered counts."""
+    original = WORKER.process_global_batch
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        batch = result["batch"]
+        kept = (batch["advantages"] != 0).any(dim=1).float() * batch["sample_mask"]
+        mask = batch["token_mask"][:, 1:] * kept[:, None]
+        result["global_valid_toks"] = mask.sum()
+        result["global_valid_seqs"] = kept.sum()
+        return result
+
+    WORKER.process_global_batch = faulty
+    try:
+        yield
+    finally:
+        WORKER.process_global_batch = original
+
+
+def _train(batch: dict, gbs: int, mbs: int, fault: bool = False) -> Run:
+    worker = harness.real_worker(gbs=gbs, mbs=mbs)
+    grads: list[torch.Tensor] = []
+    step = worker.optimizer.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        grads.append(harness.main_grads(worker.model))
+        return step(*args, **kwargs)
+
+    worker.optimizer.step = recording_step
+    rows = [0]
+
+    def count(module: Any, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():
+            rows[0] += int(kwargs.get("input_ids", args[0] if args else None).shape[0])
+
+    handle = worker.model.module.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        if fault or (PLANTED_FAULT == "renormalise" and grpo_patches.status()["nemo_rl"]["patched"]):
+            with renormalising_filter():
+                result = worker.train(batched(batch), make_loss(TAG))
+        else:
+            result = worker.train(batched(batch), make_loss(TAG))
+    finally:
+        handle.remove()
+    return Run(grads, result["all_mb_metrics"], rows[0])
+
+
+@pytest.fixture()
+def unpatched() -> Run:
+    grpo_patches.disable("nemo_rl")
+    return _train(make_batch(rows=12), gbs=6, mbs=2)
+
+
+@pytest.fixture()
+def enabled():
+    def enable(**options: Any) -> None:
+        grpo_patches.enable("nemo_rl", **options)
+
+    yield enable
+    grpo_patches.disable("nemo_rl")
+
+
+def _max_rel(a: Run, b: Run) -> float:
+    assert len(a.step_grads) == len(b.step_grads) == 2
+    return max(rel(x, y) for x, y in zip(a.step_grads, b.step_grads))
+
+
+def test_filter_gradients_equal_unpatched_with_fewer_rows(unpatched, enabled, record_property):
+    enabled(zero_advantage_filter=True)
+    patched = _train(make_batch(rows=12), gbs=6, mbs=2)  # two global batches: two optimizer steps
+    error = _max_rel(patched, unpatched)
+    record_property("megatron_filter_grad_rel", error)
+    record_property("megatron_filter_rows_forwarded", f"{patched.rows_forwarded}/{unpatched.rows_forwarded}")
+    assert error <= 1e-6, error
+    assert unpatched.rows_forwarded == 12 and patched.rows_forwarded == 12 - len(ZERO_ROWS)
+    assert len(unpatched.metrics["loss"]) == 6 and len(patched.metrics["loss"]) == 4  # 3 -> 2 micro-batches each
+    assert abs(sum(patched.metrics["loss"]) - sum(unpatched.metrics["loss"])) <= 1e-6
+    assert patched.metrics["grpo_patches/rows_dropped"] == [float(len(ZERO_ROWS))]
+    assert patched.metrics["grpo_patches/microbatches_dropped"] == [2.0]
+    assert grpo_patches.status()["nemo_rl"]["notes"]["zero_advantage_filter"].startswith("on")
+
+
+def test_planted_fault_renormalising_by_kept_tokens_fails(unpatched, enabled, record_property):
+    enabled(zero_advantage_filter=True)
+    faulty = _train(make_batch(rows=12), gbs=6, mbs=2, fault=True)
+    error = _max_rel(faulty, unpatched)
+    record_property("fault_renormalised_grad_rel_nemo_megatron", error)
+    assert error > 1e-2, error
+
+
+def test_uncovered_setting_auto_notes_and_true_refuses(unpatched, enabled):
+    enabled(zero_advantage_filter="auto", dropped_rows_metrics=True)
+    run = _train(make_batch(rows=12), gbs=6, mbs=2)
+    note = grpo_patches.status()["nemo_rl"]["notes"]["zero_advantage_filter"]
+    assert note.startswith("off:") and "dropped_rows_metrics=True" in note, note
+    assert run.rows_forwarded == 12 and _max_rel(run, unpatched) <= 1e-6
+    grpo_patches.disable("nemo_rl")
+    enabled(zero_advantage_filter=True, dropped_rows_metrics=True)
+    with pytest.raises(IncompatibleOptionsError, match="Megatron worker"):
+        _train(make_batch(rows=12), gbs=6, mbs=2)
+
+
+def test_get_logprobs_sees_every_row(enabled):
+    batch = make_batch(rows=12)
+    grpo_patches.disable("nemo_rl")
+    expected = harness.real_worker(gbs=12, mbs=4).get_logprobs(data=batched(batch))["logprobs"]
+    enabled(zero_advantage_filter=True)
+    got = harness.real_worker(gbs=12, mbs=4).get_logprobs(data=batched(batch))["logprobs"]
+    assert torch.equal(got, expected)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_data_parallel_ranks_stay_aligned(record_property):
+    """megatron-core DDP over two gloo ranks whose shards keep different numbers of rows: both run
+    the same number of micro-batches (their gradient all-reduces pair up), and the gradients are NeMo-RL's."""
+    results = run_ranks(multiprocessing.get_context("spawn"), _free_port())
+    for rank in results:
+        record_property(f"megatron_filter_dp2_rank{rank['rank']}_grad_rel", rank["grad_rel"])
+        assert rank["grad_rel"] <= 1e-6, rank
+        assert rank["rows_patched"] < rank["rows_base"] == 6, rank
+    assert results[0]["microbatches"] == results[1]["microbatches"] < results[0]["microbatches_base"]
+    assert sum(r["rows_dropped"] for r in results) > 0
