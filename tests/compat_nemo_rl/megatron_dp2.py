@@ -61,7 +61,7 @@ def _train(rank: int, port: int) -> dict:
     assert len(grads) == len(base_grads) == 1
     return {"rank": rank, "grad_rel": rel(grads[0], base_grads[0]), "rows_base": base_rows, "rows_patched": rows,
             "microbatches": len(metrics["loss"]), "microbatches_base": len(base_metrics["loss"]),
-            "rows_dropped": metrics["grpo_patches/rows_dropped"][0], "grad_norm": float(base_grads[0].norm())}
+            "rows_dropped": metrics["grpo_patches/rows_dropped"][0]}
 
 
 def run_ranks(context: Any, port: int, timeout: float = 600) -> list[dict]:

@@ -116,8 +116,8 @@ def test_filter_gradients_equal_unpatched_with_fewer_rows(unpatched, enabled, re
     enabled(zero_advantage_filter=True)
     patched = _train(make_batch(rows=12), gbs=6, mbs=2)  # two global batches: two optimizer steps
     error = _max_rel(patched, unpatched)
-    record_property("megatron_filter_grad_rel", error)
-    record_property("megatron_filter_rows_forwarded", f"{patched.rows_forwarded}/{unpatched.rows_forwarded}")
+    record_property("exact_megatron_filter_grad_rel", error)
+    record_property("saved_megatron_filter_autograd_rows", unpatched.rows_forwarded - patched.rows_forwarded)
     assert error <= 1e-6, error
     assert unpatched.rows_forwarded == 12 and patched.rows_forwarded == 12 - len(ZERO_ROWS)
     assert len(unpatched.metrics["loss"]) == 6 and len(patched.metrics["loss"]) == 4  # 3 -> 2 micro-batches each
@@ -167,7 +167,9 @@ def test_two_data_parallel_ranks_stay_aligned(record_property):
     the same number of micro-batches (their gradient all-reduces pair up), and the gradients are NeMo-RL's."""
     results = run_ranks(multiprocessing.get_context("spawn"), _free_port())
     for rank in results:
-        record_property(f"megatron_filter_dp2_rank{rank['rank']}_grad_rel", rank["grad_rel"])
+        record_property(f"exact_megatron_filter_dp2_rank{rank['rank']}_grad_rel", rank["grad_rel"])
+        record_property(f"saved_megatron_filter_dp2_rank{rank['rank']}_autograd_rows",
+                        rank["rows_base"] - rank["rows_patched"])
         assert rank["grad_rel"] <= 1e-6, rank
         assert rank["rows_patched"] < rank["rows_base"] == 6, rank
     assert results[0]["microbatches"] == results[1]["microbatches"] < results[0]["microbatches_base"]
