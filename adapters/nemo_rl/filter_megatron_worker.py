@@ -30,6 +30,7 @@ from .filter import decide, plan
 from .filter_megatron import problems
 from .metrics import report_filter_counters
 from .settings import setting
+from .worker_train import start_call
 from .state import ACTIVE_TRAIN, COUNTERS, FRAMEWORK, PREV_IS_CURRENT, TrainCall, active_train
 
 
@@ -54,12 +55,7 @@ def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
 def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size)``, as the Megatron
     worker module names it: a train call begins at its first global batch."""
-    frame = worker_train_frame(sys._getframe(1), MEGATRON_WORKER_FILE)
-    if frame is not None:
-        call = arguments(wrapped, args, kwargs)
-        current = ACTIVE_TRAIN.get()
-        if current is None or current.frame_id != id(frame) or int(call["batch_idx"]) == 0:
-            ACTIVE_TRAIN.set(_begin(frame, call["loss_fn"], call["data"]))
+    start_call(worker_train_frame(sys._getframe(1), MEGATRON_WORKER_FILE), wrapped, args, kwargs, _begin)
     return wrapped(*args, **kwargs)
 
 

@@ -53,13 +53,20 @@ def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
 
 def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size)``, as the worker module names it."""
-    frame = worker_train_frame(sys._getframe(1))
-    if frame is not None:
-        call = arguments(wrapped, args, kwargs)
-        current = ACTIVE_TRAIN.get()
-        if current is None or current.frame_id != id(frame) or int(call["batch_idx"]) == 0:
-            ACTIVE_TRAIN.set(_begin(frame, call["loss_fn"], call["data"]))
+    start_call(worker_train_frame(sys._getframe(1)), wrapped, args, kwargs, _begin)
     return wrapped(*args, **kwargs)
+
+
+def start_call(frame: Any, wrapped: Callable[..., Any], args: tuple, kwargs: dict,
+               begin: Callable[[Any, Any, Any], TrainCall]) -> None:
+    """At ``process_global_batch`` called from a worker's train ``frame`` (``None``: from elsewhere):
+    a new train call (``begin(frame, loss_fn, data)``) starts at a new frame or its first global batch."""
+    if frame is None:
+        return
+    call = arguments(wrapped, args, kwargs)
+    current = ACTIVE_TRAIN.get()
+    if current is None or current.frame_id != id(frame) or int(call["batch_idx"]) == 0:
+        ACTIVE_TRAIN.set(begin(frame, call["loss_fn"], call["data"]))
 
 
 def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
