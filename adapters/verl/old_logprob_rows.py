@@ -43,25 +43,36 @@ NOTE = "old_logprob_pass"
 
 def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``RayPPOTrainer._compute_old_log_prob(batch) -> (DataProto, mfu)``: defer the pass."""
-    options = api.active_options("verl")
-    if options is None or not options.recompute or instance is None:
-        return wrapped(*args, **kwargs)
     batch = args[0] if args else kwargs["batch"]
-    own = trainer_state(instance)
-    own.deferred = None
-    why = why_every_row(instance, len(batch), options, needed_elsewhere(instance, batch))
-    if why is not None:
-        if why:  # "" : logprob_skip's case, noted by its own wrapper
-            api.note("verl", NOTE, f"computed for every row: {why}", owner=instance)
+    own = deferral(instance, len(batch), lambda: needed_elsewhere(instance, batch))
+    if own is None:
         return wrapped(*args, **kwargs)
     from verl import DataProto
 
     own.deferred = wrapped
     mask = batch.batch["response_mask"]
-    api.note("verl", NOTE, "deferred to the update: computed only for the rows a loss reads after an optimizer "
-             "step (recompute)", owner=instance)
     return DataProto.from_dict(tensors={"old_log_probs": placeholder.rows_like(mask),
                                         "entropys": placeholder.rows_like(mask)}), float("nan")
+
+
+def deferral(trainer: Any, rows: int, elsewhere: Callable[[], str | None],
+             overridden: Callable[[], str | None] = lambda: None) -> Any | None:
+    """The trainer's state (``deferred`` cleared) when its pass over ``rows`` rows is deferred, else
+    ``None`` with the reason noted; ``elsewhere``: what else reads the old log-probs, ``overridden``: a
+    trainer-class reason checked first. Both trainer lines' ``_compute_old_log_prob`` wrappers start here."""
+    options = api.active_options("verl")
+    if options is None or not options.recompute or trainer is None:
+        return None
+    own = trainer_state(trainer)
+    own.deferred = None
+    why = overridden() or why_every_row(trainer, rows, options, elsewhere())
+    if why is not None:
+        if why:  # "" : logprob_skip's case, noted by its own wrapper
+            api.note("verl", NOTE, f"computed for every row: {why}", owner=trainer)
+        return None
+    api.note("verl", NOTE, "deferred to the update: computed only for the rows a loss reads after an optimizer "
+             "step (recompute)", owner=trainer)
+    return own
 
 
 def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -32,7 +32,7 @@ from grpo_patches import api
 
 from . import metrics as verl_metrics
 from . import placeholder
-from .old_logprob_rows import NOTE, why_every_row
+from .old_logprob_rows import NOTE, deferral
 from .old_logprob_rows_plan import needed_rows, pass_row_multiple, useful_rows_of
 from .old_logprobs import nested_like, v1_needed_elsewhere
 from .skip_guarantee import expect_substitution, trainer_state
@@ -57,16 +57,9 @@ def _overrides_the_pass(trainer: Any) -> str | None:
 
 def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the V1 ``PPOTrainer._compute_old_log_prob(batch, metrics) -> KVBatchMeta``: defer it."""
-    options = api.active_options("verl")
-    if options is None or not options.recompute or instance is None:
-        return wrapped(*args, **kwargs)
     batch = args[0] if args else kwargs["batch"]
-    own = trainer_state(instance)
-    own.deferred = None
-    why = _overrides_the_pass(instance) or why_every_row(instance, len(batch), options, v1_needed_elsewhere(instance))
-    if why is not None:
-        if why:  # "" : logprob_skip's case, noted by its own wrapper
-            api.note("verl", NOTE, f"computed for every row: {why}", owner=instance)
+    own = deferral(instance, len(batch), lambda: v1_needed_elsewhere(instance), lambda: _overrides_the_pass(instance))
+    if own is None:
         return wrapped(*args, **kwargs)
     from tensordict import TensorDict
 
@@ -75,8 +68,6 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
     mask = data["response_mask"]
     old = nested_like(mask, placeholder.rows_like(mask.values() if mask.is_nested else mask))
     own.deferred = (wrapped, copy.deepcopy(batch.extra_info))  # the pass's metadata as verl would have sent it
-    api.note("verl", NOTE, "deferred to the update: computed only for the rows a loss reads after an optimizer "
-             "step (recompute)", owner=instance)
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                            fields=TensorDict({"old_log_probs": old}, batch_size=data.batch_size))
 
