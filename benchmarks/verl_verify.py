@@ -46,6 +46,7 @@ def _batch(spec: dict, skip: bool):
 
     from grpo_patches.adapters.verl import placeholder
     from grpo_patches.testing import verl_actor_runs as h
+    from grpo_patches.testing import verl_engine_runs as engine_runs
 
     rows = spec["rows"]
     batch = h.make_batch(rows=rows, zero_rows=tuple(range(0, rows, 2)), prompt=spec["prompt"],
@@ -75,11 +76,13 @@ def main() -> None:
 
     from grpo_patches.testing import verl_actor_runs as h
 
+    from grpo_patches.testing import verl_engine_runs as engine_runs
+
     torch.set_num_threads(2)
-    h.engine_setup()
+    engine_runs.engine_setup()
     options = {"logprob_skip": True} if args.skip else {"zero_advantage_filter": True, "logprob_skip": False}
     variants = {"patched": options, "verified": {**options, "verify_every": 1}}
-    worker = h.EngineWorker(_model_dir(tempfile.mkdtemp(prefix="grpo_verl_verify_"), spec), mbs=spec["micro"],
+    worker = engine_runs.EngineWorker(_model_dir(tempfile.mkdtemp(prefix="grpo_verl_verify_"), spec), mbs=spec["micro"],
                             max_tokens=4096)
     times: dict = {name: [] for name in variants}
     figures: dict = {}

@@ -17,6 +17,8 @@ import os
 import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
+
+from grpo_patches.testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -42,7 +44,7 @@ def workers(tmp_path_factory):
     if LEGACY:
         return None
     path = h.model_dir(str(tmp_path_factory.mktemp("verl_model")))
-    return {dynamic: h.EngineWorker(path, dynamic=dynamic) for dynamic in (False, True)}
+    return {dynamic: engine_runs.EngineWorker(path, dynamic=dynamic) for dynamic in (False, True)}
 
 
 def run(options, workers, *, dynamic=False, **kw) -> h.Run:
@@ -162,8 +164,8 @@ def _ws2_worker(rank: int, port: int, out_dir: str, model_dir: str) -> None:
     if LEGACY:
         h.init_pg(rank, 2, port)
     else:
-        h.engine_setup(rank, 2, port)
-    workers = None if LEGACY else {d: h.EngineWorker(model_dir, dynamic=d) for d in (False, True)}
+        engine_runs.engine_setup(rank, 2, port)
+    workers = None if LEGACY else {d: engine_runs.EngineWorker(model_dir, dynamic=d) for d in (False, True)}
     results = []
     for agg, dynamic, n_mini, zero in WS2:
         kw = dict(agg=agg, dynamic=dynamic, n_mini=n_mini, zero=zero, rank=rank, world=2)

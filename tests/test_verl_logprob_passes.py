@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
+
+from grpo_patches.testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -97,7 +99,7 @@ def _worker():
     if "w" not in _WORKERS:
         import tempfile
 
-        _WORKERS["w"] = h.EngineWorker(h.model_dir(tempfile.mkdtemp()))
+        _WORKERS["w"] = engine_runs.EngineWorker(h.model_dir(tempfile.mkdtemp()))
     return _WORKERS["w"]
 
 
@@ -246,8 +248,8 @@ ENGINE_OLD_SKIP = V >= Version("0.8")
 
 @pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
 def test_engine_on_policy_update_skips_the_old_logprob_pass(record_property):
-    ref = h.engine_old_pass_then_update(None)
-    got = h.engine_old_pass_then_update(SKIP)
+    ref = engine_runs.engine_old_pass_then_update(None)
+    got = engine_runs.engine_old_pass_then_update(SKIP)
     err = h.max_rel(got, ref)
     record_property("exact_old_logprob_skip_grad_rel", err)
     assert err <= 1e-6 and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)
@@ -267,7 +269,7 @@ def test_engine_on_policy_update_skips_the_old_logprob_pass(record_property):
 @pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
 @pytest.mark.parametrize("config", [{"mini": 8}, {"use_kl_in_reward": True}])
 def test_engine_pass_runs_when_something_reads_it(config):
-    got = h.engine_old_pass_then_update(SKIP, **config)
+    got = engine_runs.engine_old_pass_then_update(SKIP, **config)
     assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
     assert "actor/entropy" not in got.metrics  # the trainer's pass gives it
 
@@ -277,7 +279,7 @@ def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
     from grpo_patches.adapters.verl.placeholder import PlaceholderError
 
     with pytest.raises(PlaceholderError, match="not on-policy"):
-        h.engine_old_pass_then_update(SKIP, mini=8, placeholder=True)  # two mini-batches, yet a skipped pass
+        engine_runs.engine_old_pass_then_update(SKIP, mini=8, placeholder=True)  # two mini-batches, yet a skipped pass
 
 
 class _FakeTransferQueue:
@@ -374,7 +376,7 @@ def test_v1_skip_holds_when_the_stages_drop_every_marker(monkeypatch, record_pro
     from tensordict import TensorDict
 
     _worker_modules()
-    ref = h.engine_old_pass_then_update(None)  # verl: the real pass, then the update
+    ref = engine_runs.engine_old_pass_then_update(None)  # verl: the real pass, then the update
     mask = h.make_batch()["response_mask"]
     store = _FakeTransferQueue({"response_mask": mask})
     trainer = _v1_trainer(monkeypatch, store)
@@ -385,8 +387,8 @@ def test_v1_skip_holds_when_the_stages_drop_every_marker(monkeypatch, record_pro
         fresh = store.kv_batch_put(keys, "train", TensorDict({"advantages": h.make_batch()["advantages"]},
                                                              batch_size=[h.ROWS]))
         assert not fresh.extra_info
-        td = h.engine_batch(extra={"old_log_probs": store.fields["old_log_probs"]})
-        got = h.shared_worker().run_td(td, "as is")
+        td = engine_runs.engine_batch(extra={"old_log_probs": store.fields["old_log_probs"]})
+        got = engine_runs.shared_worker().run_td(td, "as is")
     finally:
         h.patches(None)
     err = h.max_rel(got, ref)
@@ -402,11 +404,11 @@ def test_a_placeholder_reaching_the_loss_stops_the_run():
     zero gradient (its grad norm is 0, finite: no warning) — an update that silently does nothing."""
     from grpo_patches.adapters.verl import placeholder
 
-    td = h.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
+    td = engine_runs.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
     with pytest.raises(placeholder.PlaceholderError, match="logprob_skip=False"):
-        h.shared_worker().run_td(td, {"logprob_skip": False, "zero_advantage_filter": False})
-    td = h.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
-    run = h.shared_worker().run_td(td, None)  # verl alone
+        engine_runs.shared_worker().run_td(td, {"logprob_skip": False, "zero_advantage_filter": False})
+    td = engine_runs.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
+    run = engine_runs.shared_worker().run_td(td, None)  # verl alone
     (loss,), (grad_norm,) = run.metrics["actor/pg_loss"], run.metrics["grad_norm"]
     assert loss != loss and grad_norm == 0.0 and not run.grads[0].any()
 
@@ -420,7 +422,7 @@ def test_the_trainer_runs_the_pass_when_its_workers_do_not_substitute(monkeypatc
         got = _old_pass_then_update(SKIP)
         assert got.forwards == 1
     else:
-        got = h.engine_old_pass_then_update(SKIP)
+        got = engine_runs.engine_old_pass_then_update(SKIP)
         assert got.forwards == 1 and "old_logprob_passes_skipped" not in got.status["savings"]
     notes = [n for c in got.status["by_class"].values() for n in c.values()]
     assert any("logprob_skip is off in the worker" in n for n in notes), notes

@@ -18,6 +18,8 @@ import io
 import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
+
+from grpo_patches.testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -37,7 +39,7 @@ TOL = 1e-6
 
 
 def _run(options, **kw):
-    worker = h.shared_worker(dynamic=kw.get("dynamic", False)) if ENGINE else None
+    worker = engine_runs.shared_worker(dynamic=kw.get("dynamic", False)) if ENGINE else None
     with contextlib.redirect_stdout(io.StringIO()):  # verl's actor prints its settings on every build
         return m.run(options, worker=worker, **kw)
 

@@ -22,6 +22,8 @@ import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
 
+from grpo_patches.testing import verl_engine_runs as engine_runs
+
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
 
@@ -57,8 +59,8 @@ def _worker(rank: int, port: int, out_dir: str, model_dir: str, trainer: str) ->
     if legacy:
         h.init_pg(rank, 2, port)
     else:
-        h.engine_setup(rank, 2, port)
-    workers = {} if legacy else {d: h.EngineWorker(model_dir, dynamic=d) for d in (False, True)}
+        engine_runs.engine_setup(rank, 2, port)
+    workers = {} if legacy else {d: engine_runs.EngineWorker(model_dir, dynamic=d) for d in (False, True)}
     run, result = _runner(trainer).run, {}
     for name, options, n_mini, epochs, shuffle, dynamic in CASES:
         if name not in TRAINERS[trainer]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
+
+from grpo_patches.testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -62,7 +64,7 @@ def run(options, path="fused", *, dynamic=False, packed=False, entropy=False, **
     # verl 0.8.0's own fused forward fails in ppo_loss without remove-padding (padded log-probs
     # into no_padding_2_padding): there the fused and tiled runs use the packed layout
     packed = packed or (fused and h.VERL.startswith("0.8"))
-    worker = h.shared_worker(dynamic=dynamic, fused=fused, remove_padding=packed and fused)
+    worker = engine_runs.shared_worker(dynamic=dynamic, fused=fused, remove_padding=packed and fused)
     return worker.run(options, calculate_entropy=entropy, **kw)
 
 

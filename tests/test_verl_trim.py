@@ -20,6 +20,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
+
+from grpo_patches.testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -221,7 +223,7 @@ def test_remove_padding_cuts_nothing():
 def test_engine_pads_each_micro_batch_to_its_own_rows():
     """No trim on the engine line: the filtered micro-batches the padded FSDP engine forwards
     have no column that none of their rows uses (each is padded to its own longest row)."""
-    worker = h.shared_worker()  # use_remove_padding=False
+    worker = engine_runs.shared_worker()  # use_remove_padding=False
     widths, unused = [], []
 
     def hook(module, args, kwargs):
@@ -233,10 +235,10 @@ def test_engine_pads_each_micro_batch_to_its_own_rows():
 
     handle = worker.engine.module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        td = h.engine_batch(extra=narrow_kept_batch())
+        td = engine_runs.engine_batch(extra=narrow_kept_batch())
         ref = worker.run_td(td, None)
         before = len(widths)
-        got = worker.run_td(h.engine_batch(extra=narrow_kept_batch()), FILTER)
+        got = worker.run_td(engine_runs.engine_batch(extra=narrow_kept_batch()), FILTER)
     finally:
         handle.remove()
     assert h.max_rel(got, ref) <= TOL

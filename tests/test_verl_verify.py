@@ -23,6 +23,8 @@ import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
 
+from grpo_patches.testing import verl_engine_runs as engine_runs
+
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
 
@@ -48,7 +50,7 @@ legacy_only = pytest.mark.skipif(not LEGACY, reason="the legacy actor's checks (
 def worker(tmp_path_factory):
     if LEGACY:
         return None
-    return h.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify"))))
+    return engine_runs.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify"))))
 
 
 def weights(worker) -> dict:
@@ -118,7 +120,8 @@ def test_a_faulty_filter_plugin_with_disable_finishes_as_unpatched(worker):
 
 @engine_only
 def test_the_tiled_loss_is_verified(tmp_path_factory, record_property):
-    fused = h.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify_fused")), fused=True), fused=True)
+    path = h.model_dir(str(tmp_path_factory.mktemp("verl_verify_fused")), fused=True)
+    fused = engine_runs.EngineWorker(path, fused=True)
     options = {"tiled_loss": True, "zero_advantage_filter": True, "logprob_skip": False}
     ref = fused.run(options, n_mini=2)
     got = fused.run({**options, "verify_every": 1}, n_mini=2)
@@ -129,8 +132,8 @@ def test_the_tiled_loss_is_verified(tmp_path_factory, record_property):
 
 @engine_only
 def test_the_skipped_old_logprob_pass_is_compared_with_what_the_loss_used(record_property):
-    ref = h.engine_old_pass_then_update(SKIP)
-    got = h.engine_old_pass_then_update({**SKIP, "verify_every": 1})
+    ref = engine_runs.engine_old_pass_then_update(SKIP)
+    got = engine_runs.engine_old_pass_then_update({**SKIP, "verify_every": 1})
     assert got.forwards == ref.forwards == 0  # the trainer still skips it; the worker runs it for the check
     assert torch.equal(got.grads[0], ref.grads[0])
     assert got.metrics[OLD][0] <= 1e-5 and got.metrics[GRAD][0] <= 1e-5, got.metrics
@@ -141,13 +144,13 @@ def test_the_skipped_old_logprob_pass_is_compared_with_what_the_loss_used(record
 def dropout_worker(tmp_path_factory):
     if LEGACY:
         return None
-    return h.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify_dropout"))), dropout=0.3)
+    return engine_runs.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify_dropout"))), dropout=0.3)
 
 
 @engine_only
 def test_dropout_left_on_is_caught(dropout_worker):
     with pytest.raises(grpo_patches.ExactnessError) as err:
-        h.engine_old_pass_then_update({**SKIP, "verify_every": 1}, worker=dropout_worker)
+        engine_runs.engine_old_pass_then_update({**SKIP, "verify_every": 1}, worker=dropout_worker)
     assert err.value.quantity == "old_logprob_max_abs_diff" and err.value.optimizations == ("logprob_skip",)
     assert dropout_worker.current is None
 
@@ -155,10 +158,10 @@ def test_dropout_left_on_is_caught(dropout_worker):
 @engine_only
 def test_dropout_with_disable_trains_on_verls_pass_and_tells_the_trainer(dropout_worker):
     torch.manual_seed(3)
-    ref = h.engine_old_pass_then_update(None, worker=dropout_worker)
+    ref = engine_runs.engine_old_pass_then_update(None, worker=dropout_worker)
     torch.manual_seed(3)
     with pytest.warns(GrpoPatchesWarning, match="logprob_skip"):
-        got = h.engine_old_pass_then_update({**SKIP, "verify_every": 1, "verify_action": "disable"},
+        got = engine_runs.engine_old_pass_then_update({**SKIP, "verify_every": 1, "verify_action": "disable"},
                                             worker=dropout_worker)
     # verl's own update on its own pass (this pass batches differently from the trainer's: rounding only)
     assert h.max_rel(got, ref) <= 1e-6
@@ -278,8 +281,8 @@ def _ws2_worker(rank: int, port: int, out_dir: str, model_dir: str) -> None:
         kw["shard"] = True
         run = h.legacy_run
     else:
-        h.engine_setup(rank, 2, port)
-        run = h.EngineWorker(model_dir).run
+        engine_runs.engine_setup(rank, 2, port)
+        run = engine_runs.EngineWorker(model_dir).run
     result = {}
     ok = run({**FILTER, "verify_every": 1}, **kw)
     result["figures"] = ok.metrics[GRAD]

@@ -15,6 +15,8 @@ import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
 
+from grpo_patches.testing import verl_engine_runs as engine_runs
+
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
 
@@ -36,7 +38,7 @@ def run(tmp_path_factory):
     """One verl update in bf16 with ``options``, two mini-batches (optimizer steps)."""
     if LEGACY:
         return lambda options: h.legacy_run(options, n_mini=2, dtype=torch.bfloat16)
-    worker = h.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify_bf16"))), dtype="bf16")
+    worker = engine_runs.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_verify_bf16"))), dtype="bf16")
     return lambda options: worker.run(options, n_mini=2)
 
 

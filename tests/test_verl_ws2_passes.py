@@ -19,6 +19,8 @@ import pytest
 
 from grpo_patches.testing import verl_actor_runs as h
 
+from grpo_patches.testing import verl_engine_runs as engine_runs
+
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
 
@@ -92,7 +94,7 @@ def _engine_old_skip(rank: int, worker) -> dict:
     from grpo_patches.adapters.verl import placeholder
 
     def td():
-        t = h.engine_batch(rank, 2)
+        t = engine_runs.engine_batch(rank, 2)
         t.pop("old_log_probs")
         return t
 
@@ -121,8 +123,8 @@ def _worker(rank: int, port: int, out_dir: str, model_dir: str, fused_dir: str) 
     if LEGACY:
         h.init_pg(rank, 2, port)
     else:
-        h.engine_setup(rank, 2, port)
-    worker = None if LEGACY else h.EngineWorker(model_dir)
+        engine_runs.engine_setup(rank, 2, port)
+    worker = None if LEGACY else engine_runs.EngineWorker(model_dir)
     kw = dict(agg="token-mean", n_mini=2, use_kl_loss=True, kl_loss_coef=0.0, rank=rank, world=2)
     ref_extra = {"ref_log_prob": h.rank_rows(h.make_batch(world=2), rank)["old_log_probs"] - 0.2}
     if LEGACY:
@@ -139,7 +141,7 @@ def _worker(rank: int, port: int, out_dir: str, model_dir: str, fused_dir: str) 
     if LEGACY:
         fused_ref, fused_got = (h.legacy_run(o, shard=True, fused=True, **kw) for o in (None, tiled))
     else:
-        fused_worker = h.EngineWorker(fused_dir, fused=True, remove_padding=True)
+        fused_worker = engine_runs.EngineWorker(fused_dir, fused=True, remove_padding=True)
         fused_ref, fused_got = (fused_worker.run(o, **kw) for o in (None, tiled))
     result["tiled"] = {"err": h.max_rel(fused_got, fused_ref), "steps": len(fused_got.grads),
                        "ref_steps": len(fused_ref.grads)}

@@ -78,7 +78,7 @@ def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = F
         zero: tuple[int, ...] = h.ZERO_ROWS["interleaved"], rank: int = 0, world: int = 1, shard: bool = False,
         worker: Any = None, trainer_class: type | None = None) -> h.Run:
     """One trainer step (old-logprob pass, update) patched with ``options`` (``None``: off).
-    ``worker``: an :class:`~verl_actor_runs.EngineWorker` (engine line), else the legacy actor;
+    ``worker``: an :class:`~verl_engine_runs.EngineWorker` (engine line), else the legacy actor;
     ``trainer_class``: a ``RayPPOTrainer`` subclass to run the methods of."""
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from grpo_patches.testing import verl_actor_runs as h
+
+from grpo_patches.testing import verl_engine_runs as engine_runs
 from grpo_patches.testing import verl_minimal_pass as m
 
 #: The outputs of the pass the update does not read (the real update gets its own forward's).
@@ -142,7 +144,7 @@ def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = F
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1 import trainer_base
 
-    worker = worker or h.shared_worker(dynamic=dynamic)
+    worker = worker or engine_runs.shared_worker(dynamic=dynamic)
     td = rollout_rows(zero, world)
     store = KeyStore(td)
     if monkeypatch is not None:

@@ -21,6 +21,8 @@ import torch
 
 from grpo_patches.testing import verl_actor_runs as h
 
+from grpo_patches.testing import verl_engine_runs as engine_runs
+
 GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
 #: fp32 on CPU (exactness at 1e-6); bf16 on the gpu tier (compared with the re-batching noise floor)
 DTYPE = "bfloat16" if GPU else "float32"
@@ -194,7 +196,7 @@ class MegatronWorker:
         from verl.utils import tensordict_utils as tu
 
         if td is None:
-            td = h.engine_batch(dp_rank, dp, mini_rows=h.ROWS // n_mini, zero=zero, extra=batch_extra,
+            td = engine_runs.engine_batch(dp_rank, dp, mini_rows=h.ROWS // n_mini, zero=zero, extra=batch_extra,
                                 calculate_entropy=calculate_entropy)
         self.reset_weights()
         self.set_loss(agg=agg, **actor_extra)
