@@ -75,13 +75,20 @@ def deferral(trainer: Any, rows: int, elsewhere: Callable[[], str | None],
     return own
 
 
+def take_deferred(trainer: Any) -> Any | None:
+    """The pass ``deferral`` left on ``trainer`` (taken off it: it runs once), or ``None``."""
+    own = trainer_state(trainer) if trainer is not None else None
+    deferred = own.deferred if own is not None else None
+    if deferred is not None:
+        own.deferred = None
+    return deferred
+
+
 def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``RayPPOTrainer._update_actor(batch)``: run the deferred pass on the needed rows."""
-    own = trainer_state(instance) if instance is not None else None
-    deferred = own.deferred if own is not None else None
+    deferred = take_deferred(instance)
     if deferred is None:
         return wrapped(*args, **kwargs)
-    own.deferred = None
     batch = args[0] if args else kwargs["batch"]
     needed = needed_rows(instance, batch)
     computed = _run_pass(deferred, instance, batch, needed)

@@ -32,10 +32,10 @@ from grpo_patches import api
 
 from . import metrics as verl_metrics
 from . import placeholder
-from .old_logprob_rows import NOTE, deferral
+from .old_logprob_rows import NOTE, deferral, take_deferred
 from .old_logprob_rows_plan import needed_rows, pass_row_multiple, useful_rows_of
 from .old_logprobs import nested_like, v1_needed_elsewhere
-from .skip_guarantee import expect_substitution, trainer_state
+from .skip_guarantee import expect_substitution
 
 
 def _tq() -> Any:
@@ -74,11 +74,9 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
 
 def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the V1 ``PPOTrainer._update_actor(batch, metrics)``: the deferred pass on the needed rows."""
-    own = trainer_state(instance) if instance is not None else None
-    deferred = own.deferred if own is not None else None
+    deferred = take_deferred(instance)
     if deferred is None:
         return wrapped(*args, **kwargs)
-    own.deferred = None
     batch = args[0] if args else kwargs["batch"]
     metrics = args[1] if len(args) > 1 else kwargs.get("metrics")
     data = _tq().kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
