@@ -13,12 +13,21 @@ skips it and its ``Policy.train`` wrapper puts the loss on its on-policy path. T
 the gradient before each optimizer step equal (fp32, rel <= 1e-6), the passes saved counted.
 Planted faults: the on-policy switch left off (the loss reads the zero placeholder: the
 gradients differ), and the switch lost on the way to the loss (the placeholder guard raises).
+
+With two optimizer steps per rollout batch (``recompute``) the adapter defers the pass to
+``Policy.train`` and runs it on the rows some loss reads (:mod:`grpo_patches.adapters.nemo_rl.prev_rows`):
+the later optimizer step's rows (with a non-zero advantage when the filter drops the others); the
+Megatron worker's loss puts the detached current log-probs in the skipped rows. Gradients of both
+optimizer steps equal, rows of the pass counted; a planted fault (the second optimizer step's rows
+taken for the first's) fails it. ``Policy.prepare_for_lp_inference`` / ``prepare_for_training``
+(GPU off- and onloading around the pass) are not run here.
 Skips without a NeMo-RL source (v0.7.0) or Megatron-Bridge on the path.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +37,12 @@ import torch
 
 import grpo_patches
 from grpo_patches import savings
-from grpo_patches.adapters.nemo_rl import old_logprobs, train_call
+from grpo_patches.adapters.nemo_rl import old_logprobs, prev_rows, train_call
 from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT
 from grpo_patches.errors import PlaceholderError
 from grpo_patches.testing.nemo_rl_cpu import tag
 from grpo_patches.testing.nemo_rl_tags import make_loss, master_config
+from tests.helpers import nemo_prev_rows_cases
 from tests.helpers import nemo_rl_megatron_harness as harness
 from tests.helpers.nemo_worker_harness import batched, make_batch, rel
 
@@ -73,6 +83,7 @@ def real_policy(worker: Any) -> Any:
     policy.sharding_annotations = type("Axes", (), {"get_axis_size": staticmethod(lambda axis: 1)})()
     policy.use_dynamic_batches = policy.use_sequence_packing = False
     policy.flops_tracker = None
+    policy.prepare_for_lp_inference = policy.prepare_for_training = lambda *args, **kwargs: None  # GPU memory only
     return policy
 
 
@@ -98,15 +109,16 @@ class Run:
     step_grads: list[torch.Tensor]
     results: list[dict]
     logprob_rows: list[int]  # rows of each get_logprobs call the worker ran
-    totals: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, Any] = field(default_factory=dict)  # savings, and status()'s notes
 
 
 def _batches() -> list[dict]:
     return [make_batch(rows=ROWS, seed=seed) for seed in (1, 2)]
 
 
-def _run(patched: bool, **loss: Any) -> Run:
-    worker = harness.real_worker(gbs=ROWS, mbs=4)
+def _run(patched: bool, gbs: int = ROWS, options: dict | None = None, **loss: Any) -> Run:
+    """Two rollout batches of :data:`ROWS` rows, ``gbs`` rows per optimizer step."""
+    worker = harness.real_worker(gbs=gbs, mbs=4 if gbs == ROWS else 2)
     grads: list[torch.Tensor] = []
     step = worker.optimizer.step
 
@@ -116,20 +128,22 @@ def _run(patched: bool, **loss: Any) -> Run:
 
     worker.optimizer.step = recording_step
     policy = real_policy(worker)
-    config = master_config(TAG, grpo={"num_prompts_per_step": 3, "num_generations_per_prompt": 4},
-                           policy=dict(worker.cfg), loss=loss)
-    call = dict(policy=policy, loss_fn=make_loss(TAG, **loss), master_config=config, batches=_batches())
+    config = master_config(TAG, grpo={"num_prompts_per_step": 3, "num_generations_per_prompt": 4}, loss=loss,
+                           policy={**worker.cfg, "megatron_cfg": {**worker.cfg["megatron_cfg"], "enabled": True}})
+    batches = _batches() if gbs == ROWS else _batches()[:1]
+    call = dict(policy=policy, loss_fn=make_loss(TAG, **loss), master_config=config, batches=batches)
     if not patched:
         results = grpo_steps(**call)
         return Run(grads, results, policy.worker_group.rows["get_logprobs"])
     savings.reset("nemo_rl")
-    grpo_patches.enable("nemo_rl", zero_advantage_filter=False)
+    grpo_patches.enable("nemo_rl", **(options or {"zero_advantage_filter": False}))
     try:
         results = old_logprobs.grpo_train_wrapper(grpo_steps, None, (), call)  # the adapter's loop context
         totals = dict(savings.totals("nemo_rl"))
+        notes = dict(grpo_patches.status()["nemo_rl"]["notes"])
     finally:
         grpo_patches.disable("nemo_rl")
-    return Run(grads, results, policy.worker_group.rows["get_logprobs"], totals)
+    return Run(grads, results, policy.worker_group.rows["get_logprobs"], {**totals, "notes": notes})
 
 
 @pytest.fixture(scope="module")
@@ -191,4 +205,63 @@ def test_placeholder_guard_fires_in_the_megatron_worker(monkeypatch):
     monkeypatch.setattr(train_call, "_flag", marked_only)
     with pytest.raises(PlaceholderError, match="zero placeholder") as raised:
         _run(patched=True)
+    assert any(entry.path.name == harness.WORKER_MODULE.rsplit(".", 1)[1] + ".py" for entry in raised.traceback)
+
+
+@pytest.fixture(scope="module")
+def unpatched_two_steps() -> Run:
+    """One rollout batch, two optimizer steps (``train_global_batch_size`` = half the batch)."""
+    grpo_patches.disable("nemo_rl")
+    return _run(patched=False, gbs=ROWS // 2)
+
+
+@pytest.fixture()
+def workers_reached(monkeypatch, tmp_path):
+    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver."""
+    monkeypatch.setenv("GRPO_PATCHES", "nemo_rl")
+    monkeypatch.setenv("GRPO_PATCHES_STARTUP_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
+
+
+@pytest.mark.parametrize("zero_filter", [True, False], ids=["filter", "no-filter"])
+def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps, workers_reached, record_property):
+    patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": zero_filter})
+    error = _max_rel(patched, unpatched_two_steps)
+    name = "filter" if zero_filter else "no_filter"
+    record_property(f"exact_megatron_prev_rows_{name}_grad_rel", error)
+    record_property(f"saved_megatron_prev_rows_{name}_logprob_rows", sum(unpatched_two_steps.logprob_rows)
+                    - sum(patched.logprob_rows))
+    assert error <= 1e-6, error
+    # the second optimizer step's 6 rows (rows 8-10 have advantage 0: the filter drops them), in pairs (logprob_batch_size)
+    computed = 4 if zero_filter else 6
+    assert unpatched_two_steps.logprob_rows == [ROWS] and patched.logprob_rows == [computed]
+    assert patched.totals["old_logprob_rows_skipped"] == ROWS - computed
+    assert patched.totals["notes"]["prev_logprobs"].startswith("deferred to Policy.train")
+    if zero_filter:
+        assert patched.results[0]["all_mb_metrics"]["grpo_patches/rows_dropped"] == [6.0]  # 3 per optimizer step
+
+
+def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, workers_reached, monkeypatch,
+                                                            record_property):
+    monkeypatch.setattr(prev_rows, "plan", nemo_prev_rows_cases.rows_treated_as_first(ROWS // 2))
+    faulty = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
+    error = _max_rel(faulty, unpatched_two_steps)
+    record_property("fault_megatron_prev_rows_grad_rel", error)
+    assert error > 1e-3, error
+
+
+def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(workers_reached, monkeypatch):
+    """A row of the later optimizer step marked as a zero-advantage row although its advantage is not
+    0 (driver and workers disagreeing): the Megatron worker's loss raises instead of reading its NaN."""
+    original = prev_rows.plan
+
+    def wrong_zero_row(data: Any, gbs: int, multiple: int, zero_skip: bool) -> tuple[list[int], Any]:
+        compute, marks = original(data, gbs, multiple, zero_skip)
+        row = next(r for r in compute if r >= gbs and bool((data["advantages"][r] != 0).any()))
+        marks[row], marks[0] = prev_rows.ZERO, 0.0  # row 0 computed in its place: the pass keeps its row count
+        return sorted([0] + [r for r in compute if r != row]), marks
+
+    monkeypatch.setattr(prev_rows, "plan", wrong_zero_row)
+    with pytest.raises(PlaceholderError, match="non-zero advantage") as raised:
+        _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": True})
     assert any(entry.path.name == harness.WORKER_MODULE.rsplit(".", 1)[1] + ".py" for entry in raised.traceback)
