@@ -39,8 +39,9 @@ Workers:
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
   (V06+, ``zero_advantage_filter``): :mod:`.filter_v060`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
-- ``process_global_batch``, ``get_microbatch_iterator`` and ``aggregate_training_statistics`` of the
-  Megatron worker module (V07, ``zero_advantage_filter``): :mod:`.filter_megatron_worker`.
+- ``process_global_batch`` and ``aggregate_training_statistics`` of the Megatron worker module (V07: the
+  train call, whatever the options) and its ``get_microbatch_iterator`` (V07, ``zero_advantage_filter``):
+  :mod:`.filter_megatron_worker`.
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
   :mod:`.tiled`.
@@ -123,12 +124,14 @@ PATCHES = (
     PatchTarget(WORKER, "automodel_forward_backward", f"{_H}.verify:forward_backward_wrapper", versions=V06_UP,
                 option=VERIFY, pickle_by_reference=True),
     # NeMo-RL v0.7.0's Megatron policy worker: the filter (its worker module's names, as for the DTensor worker)
+    # (the call brackets whatever the options, as for the DTensor worker: the loss finds the train call, e.g.
+    # to put the detached current log-probs in the rows whose prev-logprob pass was skipped, :mod:`.prev_rows`)
     PatchTarget(MEGATRON, "process_global_batch", f"{_H}.filter_megatron_worker:process_global_batch_wrapper",
-                versions=V07, option=FILTER, pickle_by_reference=True),
+                versions=V07, pickle_by_reference=True),
     PatchTarget(MEGATRON, "get_microbatch_iterator", f"{_H}.filter_megatron_worker:microbatch_iterator_wrapper",
                 versions=V07, option=FILTER, pickle_by_reference=True),
     PatchTarget(MEGATRON, "aggregate_training_statistics", f"{_H}.filter_megatron_worker:aggregate_wrapper",
-                versions=V07, option=FILTER, pickle_by_reference=True),
+                versions=V07, pickle_by_reference=True),
     # driver: the other tags' Megatron worker is not patched (a note, or an error for True)
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=V05_V06, option=FILTER),
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=MAIN, option=FILTER),

@@ -11,7 +11,10 @@ Megatron settings not covered yet (:func:`.filter_megatron.problems`).
 Exactness: ``LossPostProcessor(num_microbatches=n)`` multiplies each micro-batch's loss by the
 ``n`` the iterator returned, and Megatron's schedule divides it by the same ``n`` — the wrapped
 iterator returns its own count, so the two cancel as upstream and every kept row's loss keeps
-the unfiltered global denominators. Data-parallel ranks run the same number of micro-batches
+the unfiltered global denominators. ``process_global_batch`` / ``aggregate_training_statistics``
+bracket every train call whatever the options (the loss finds the call to give the rows whose
+prev-logprob pass was skipped their detached current log-probs, :mod:`.skipped_rows`); the
+iterator is wrapped only with the filter on. Data-parallel ranks run the same number of micro-batches
 (zero-weight pads, :func:`.filter.plan`). Micro-batches keep the global batch's width (no column
 trim: the schedule gets one ``seq_length`` for all of them).
 """

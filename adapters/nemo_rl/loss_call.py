@@ -10,7 +10,10 @@ One record per tag line (the loss moved and changed signature):
   a marker so the driver knows (:mod:`.train_call`). v0.5.0 gets logits: the current
   log-probs are taken from them without autograd (NeMo-RL's own helper for vocab-parallel
   DTensor logits).
-* v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to do there.
+* v0.7.0+ uses ``curr.detach()`` itself under ``force_on_policy_ratio``: nothing to substitute.
+  On a step whose pass the driver skipped (:data:`~.state.PREV_IS_CURRENT`, not a verify step)
+  the loss gets a view of its data whose zero placeholder raises when read
+  (:func:`.skipped_rows.guard_skipped_pass`): the on-policy path never reads it, any other would.
 * Every tag: rows whose pass the driver skipped for a multi-step batch (``recompute``,
   :mod:`.prev_rows`) get the detached current log-probs (:mod:`.skipped_rows`).
 * Verify mode (v0.6.0+): on a verified global batch whose prev-logprob pass was skipped, the
@@ -31,7 +34,7 @@ from grpo_patches import api
 from .calls import arguments
 from .metrics import adjust_kept_rows
 from .prev_rows import MARK
-from .skipped_rows import dropped_marked, substitute
+from .skipped_rows import dropped_marked, guard_skipped_pass, substitute
 from .verify_in_loss import measure_prev, measure_reference
 from .state import (
     COUNTERS,
@@ -39,6 +42,7 @@ from .state import (
     METRIC_PREFIX,
     PREV_IS_CURRENT,
     PREV_MARKER,
+    VERIFY_PREV,
     GlobalBatchFilter,
     active_train,
     current_v050,
@@ -143,16 +147,20 @@ def call_v060(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: d
 
 
 def call_v070(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """v0.7.0+ ``ClippedPGLossFn.__call__``: its own on-policy path needs nothing; filter metrics only."""
+    """v0.7.0+ ``ClippedPGLossFn.__call__``: its own on-policy path needs no substitution; a skipped pass's
+    placeholder guarded, skipped rows substituted, filter metrics."""
     train = active_train()
     if train is not None and (train.prev_diff, train.reference_diff) != (None, None):  # verify mode (:mod:`.verify`)
         call = arguments(wrapped, args, kwargs)
         measure_prev(call)
         measure_reference(wrapped, call)
     call = arguments(wrapped, args, kwargs)
+    skipped_pass = getattr(instance, PREV_IS_CURRENT, False) and getattr(instance, VERIFY_PREV, None) is None
+    if skipped_pass:  # the whole pass was skipped: its zero placeholder must not be read
+        call["data"] = guard_skipped_pass(call["data"])
     if MARK in call["data"]:  # rows whose pass the driver skipped (:mod:`.skipped_rows`)
         call["data"] = substitute(call["data"], call["next_token_logprobs"], patched=train is not None)
-    elif _current_plan() is None:
+    elif _current_plan() is None and not skipped_pass:
         return wrapped(*args, **kwargs)
     if _current_plan() is None:
         return wrapped(**call)

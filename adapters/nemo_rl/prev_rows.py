@@ -56,7 +56,26 @@ def why_not(loop: LoopState) -> str | None:
     if setting(loop.config, "policy.sequence_packing.enabled", False):
         return "policy.sequence_packing.enabled (not covered yet)"
     if setting(loop.config, "policy.megatron_cfg.enabled", False):
-        return "the Megatron policy worker (not covered yet)"
+        return _megatron_problem(loop.config)
+    return None
+
+
+def _megatron_problem(config: Any) -> str | None:
+    """Why the cut pass is not covered with this Megatron policy (``None``: v0.7.x's worker, whose loss
+    calls are patched, with the layout proven on it: no tensor / pipeline / context parallelism, no
+    dynamic batching)."""
+    from packaging.version import Version
+
+    from .version import read_version
+
+    found = read_version() or "0"
+    if not Version("0.7.0") <= Version(found) < Version("0.8.0.dev0"):
+        return f"NeMo-RL {found}'s Megatron policy worker (covered on v0.7.x only)"
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        if int(setting(config, f"policy.megatron_cfg.{name}", 1) or 1) > 1:
+            return f"the Megatron policy worker with policy.megatron_cfg.{name} > 1 (not covered yet)"
+    if setting(config, "policy.dynamic_batching.enabled", False):
+        return "the Megatron policy worker with policy.dynamic_batching.enabled (not covered yet)"
     return None
 
 

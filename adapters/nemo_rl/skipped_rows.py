@@ -11,6 +11,10 @@ Their ``prev_logprobs`` are NaN and their mark (``data[MARK]``) says why:
 :func:`substitute` gives the loss the detached current log-probs in those rows. A NaN the loss
 would read otherwise (a :data:`ZERO` row with a non-zero advantage, or NeMo-RL's unpatched
 computation meeting a skipped row) raises :class:`~grpo_patches.errors.PlaceholderError`.
+
+:func:`guard_skipped_pass`: a step whose whole pass was skipped (v0.7.0+: NeMo-RL's zero
+placeholder in every row) gives the loss a view of its data whose ``prev_logprobs`` raise
+:class:`~grpo_patches.errors.PlaceholderError` when read (the on-policy path never reads them).
 """
 
 from __future__ import annotations
@@ -69,6 +73,32 @@ def substitute(data: Any, current: Any, patched: bool) -> Any:
     copy = type(data)(data)
     copy["prev_logprobs"] = new
     return copy
+
+
+_SKIPPED_PASS = ("grpo_patches: the loss reads prev_logprobs, but the driver skipped this step's prev-logprob pass "
+                 "(they are NeMo-RL's zero placeholder) and the loss is not on its on-policy path "
+                 "(force_on_policy_ratio did not reach it); pass logprob_skip=False to grpo_patches.enable('nemo_rl', "
+                 "...) (GRPO_PATCHES_OPTIONS) to run the pass")
+_GUARDED: dict[type, type] = {}
+
+
+def guard_skipped_pass(data: Any) -> Any:
+    """A shallow copy of ``data`` whose ``prev_logprobs`` raise :class:`PlaceholderError` when read
+    (``data[...]`` or ``data.get(...)``); every other key reads as in ``data``."""
+    base = type(data)
+    guarded = _GUARDED.get(base)
+    if guarded is None:
+        def __getitem__(self: Any, key: Any) -> Any:
+            if key == "prev_logprobs":
+                raise PlaceholderError(_SKIPPED_PASS)
+            return base.__getitem__(self, key)
+
+        def get(self: Any, key: Any, default: Any = None) -> Any:
+            return self[key] if key in self else default
+
+        guarded = _GUARDED[base] = type(f"SkippedPass{base.__name__}", (base,),
+                                        {"__getitem__": __getitem__, "get": get})
+    return guarded(data)
 
 
 def first_rows(data: Any) -> Any | None:

@@ -1,0 +1,292 @@
+"""The log-prob skips with NeMo-RL v0.7.0's real Megatron policy worker, on a CPU.
+
+A real ``Policy`` (built without its ``__init__``, which needs a Ray cluster) drives the real
+``MegatronPolicyWorkerImpl`` (:mod:`tests.helpers.nemo_rl_megatron_harness`) through an
+in-process worker group: ``Policy.get_logprobs`` / ``Policy.train`` shard the batch as NeMo-RL
+does and hand the worker its shard, and the loss travels pickled, as Ray sends it. A small loop
+takes each rollout batch through what ``grpo_train`` (v0.7.0) does around the pass: it asks
+``opd._skip_prev_logprobs``, puts zeros in ``prev_logprobs`` when told to skip or runs
+``Policy.get_logprobs`` otherwise, puts zeros in ``reference_policy_logprobs`` (KL 0: NeMo-RL
+builds no reference model), and calls ``Policy.train``. Unpatched, the pass runs every step;
+patched (the loop run through the adapter's ``grpo_train`` wrapper), the adapter's predicate
+skips it and its ``Policy.train`` wrapper puts the loss on its on-policy path. Two steps:
+the gradient before each optimizer step equal (fp32, rel <= 1e-6), the passes saved counted.
+Planted faults: the on-policy switch left off (the loss reads the zero placeholder: the
+gradients differ), and the switch lost on the way to the loss (the placeholder guard raises).
+
+With two optimizer steps per rollout batch (``recompute``) the adapter defers the pass to
+``Policy.train`` and runs it on the rows some loss reads (:mod:`grpo_patches.adapters.nemo_rl.prev_rows`):
+the later optimizer step's rows (with a non-zero advantage when the filter drops the others); the
+Megatron worker's loss puts the detached current log-probs in the skipped rows. Gradients of both
+optimizer steps equal, rows of the pass counted; a planted fault (the second optimizer step's rows
+taken for the first's) fails it. ``Policy.prepare_for_lp_inference`` / ``prepare_for_training``
+(GPU off- and onloading around the pass) are not run here.
+Skips without a NeMo-RL source (v0.7.0) or Megatron-Bridge on the path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import grpo_patches
+from grpo_patches import savings
+from grpo_patches.adapters.nemo_rl import old_logprobs, prev_rows, train_call
+from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT
+from grpo_patches.errors import PlaceholderError
+from grpo_patches.testing.nemo_rl_cpu import tag
+from grpo_patches.testing.nemo_rl_tags import make_loss, master_config
+from tests.helpers import nemo_prev_rows_cases
+from tests.helpers import nemo_rl_megatron_harness as harness
+from tests.helpers.nemo_worker_harness import batched, make_batch, rel
+
+harness.setup()  # skips the module without a NeMo-RL source or Megatron-Bridge
+TAG = tag()
+ROWS = 12  # one rollout batch = one optimizer step (train_global_batch_size): provably on-policy
+LOGPROB_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")  # grpo_train's logprob_data
+
+
+class InProcessWorkers:
+    """The ``worker_group`` a ``Policy`` talks to, holding one real Megatron worker in this process:
+    each call's ``common_kwargs`` are pickled and unpickled (Ray sends them so), and calls are counted."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rows: dict[str, list[int]] = {"get_logprobs": [], "train": []}
+
+    def run_all_workers_sharded_data(self, method: str, *, data: list, common_kwargs: dict | None = None,
+                                     **_axes: Any) -> list:
+        sent = pickle.loads(pickle.dumps(common_kwargs or {}))
+        self.rows[method].append(sum(int(shard["input_ids"].shape[0]) for shard in data))
+        return [getattr(self.worker, method)(data=shard, **sent) for shard in data]
+
+    def get_all_worker_results(self, futures: list) -> list:
+        return futures
+
+    def shutdown(self, **_kwargs: Any) -> bool:  # Policy.__del__
+        return True
+
+
+def real_policy(worker: Any) -> Any:
+    """NeMo-RL's ``Policy`` (its own ``train`` / ``get_logprobs``) over :class:`InProcessWorkers`."""
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    policy = object.__new__(Policy)
+    policy.cfg = dict(worker.cfg)
+    policy.worker_group = InProcessWorkers(worker)
+    policy.sharding_annotations = type("Axes", (), {"get_axis_size": staticmethod(lambda axis: 1)})()
+    policy.use_dynamic_batches = policy.use_sequence_packing = False
+    policy.flops_tracker = None
+    policy.prepare_for_lp_inference = policy.prepare_for_training = lambda *args, **kwargs: None  # GPU memory only
+    return policy
+
+
+def grpo_steps(policy: Any, loss_fn: Any, master_config: Any, batches: list[dict]) -> list[dict]:
+    """What v0.7.0's ``grpo_train`` does with each rollout batch from its prev-logprob pass to
+    ``Policy.train`` (the pass's predicate, its zero placeholders, KL 0's reference zeros)."""
+    opd = importlib.import_module("nemo_rl.algorithms.opd")
+    results = []
+    for batch in batches:
+        data = batched(batch)
+        if opd._skip_prev_logprobs(master_config):
+            data["prev_logprobs"] = torch.zeros_like(data["generation_logprobs"])
+        else:
+            logprob_data = type(data)({key: data[key] for key in LOGPROB_KEYS})
+            data["prev_logprobs"] = policy.get_logprobs(logprob_data)["logprobs"]
+        data["reference_policy_logprobs"] = torch.zeros_like(data["prev_logprobs"])
+        results.append(policy.train(data, loss_fn))
+    return results
+
+
+@dataclass
+class Run:
+    step_grads: list[torch.Tensor]
+    results: list[dict]
+    logprob_rows: list[int]  # rows of each get_logprobs call the worker ran
+    totals: dict[str, Any] = field(default_factory=dict)  # savings, and status()'s notes
+
+
+def _batches() -> list[dict]:
+    return [make_batch(rows=ROWS, seed=seed) for seed in (1, 2)]
+
+
+def _run(patched: bool, gbs: int = ROWS, options: dict | None = None, **loss: Any) -> Run:
+    """The loop over fresh weights: two rollout batches of :data:`ROWS` rows, one optimizer step each
+    (``gbs`` = :data:`ROWS`), or one rollout batch of ``ROWS // gbs`` optimizer steps."""
+    worker = harness.real_worker(gbs=gbs, mbs=4 if gbs == ROWS else 2)
+    grads: list[torch.Tensor] = []
+    step = worker.optimizer.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        grads.append(harness.main_grads(worker.model))
+        return step(*args, **kwargs)
+
+    worker.optimizer.step = recording_step
+    policy = real_policy(worker)
+    config = master_config(TAG, grpo={"num_prompts_per_step": 3, "num_generations_per_prompt": 4}, loss=loss,
+                           policy={**worker.cfg, "megatron_cfg": {**worker.cfg["megatron_cfg"], "enabled": True}})
+    batches = _batches() if gbs == ROWS else _batches()[:1]
+    call = dict(policy=policy, loss_fn=make_loss(TAG, **loss), master_config=config, batches=batches)
+    if not patched:
+        results = grpo_steps(**call)
+        return Run(grads, results, policy.worker_group.rows["get_logprobs"])
+    savings.reset("nemo_rl")
+    grpo_patches.enable("nemo_rl", **(options or {"zero_advantage_filter": False}))
+    try:
+        results = old_logprobs.grpo_train_wrapper(grpo_steps, None, (), call)  # the adapter's loop context
+        totals = dict(savings.totals("nemo_rl"))
+        notes = dict(grpo_patches.status()["nemo_rl"]["notes"])
+    finally:
+        grpo_patches.disable("nemo_rl")
+    return Run(grads, results, policy.worker_group.rows["get_logprobs"], {**totals, "notes": notes})
+
+
+@contextmanager
+def raised_in_the_worker() -> Iterator[Any]:
+    """``pytest.raises(PlaceholderError)`` around a train call that raises inside the worker, which must
+    name the worker's ``train`` in its traceback; then megatron-core's rerun state machine (left mid
+    forward-backward by the exception: the next ``train`` would run no micro-batch) is dropped, and
+    a fresh one made on its next use, as in a restarted worker."""
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    try:
+        with pytest.raises(PlaceholderError) as raised:
+            yield raised
+        worker_file = harness.WORKER_MODULE.rsplit(".", 1)[1] + ".py"
+        assert any(entry.path.name == worker_file for entry in raised.traceback)
+    finally:
+        destroy_rerun_state_machine()
+
+
+@pytest.fixture(scope="module")
+def unpatched() -> Run:
+    grpo_patches.disable("nemo_rl")
+    return _run(patched=False)
+
+
+def _max_rel(a: Run, b: Run) -> float:
+    assert len(a.step_grads) == len(b.step_grads) == 2 and all(g.norm() > 0 for g in b.step_grads)
+    return max(rel(x, y) for x, y in zip(a.step_grads, b.step_grads))
+
+
+def test_prev_skip_gradients_equal_with_the_passes_saved(unpatched, record_property):
+    patched = _run(patched=True)
+    error = _max_rel(patched, unpatched)
+    record_property("exact_megatron_prev_skip_grad_rel", error)
+    record_property("saved_megatron_prev_skip_logprob_passes", len(unpatched.logprob_rows) - len(patched.logprob_rows))
+    assert error <= 1e-6, error
+    assert unpatched.logprob_rows == [ROWS, ROWS] and patched.logprob_rows == []
+    assert patched.totals["old_logprob_passes_skipped"] == 2 and patched.totals["old_logprob_rows_skipped"] == 2 * ROWS
+    for base, result in zip(unpatched.results, patched.results):
+        assert result["all_mb_metrics"]["grpo_patches/old_logprob_passes_skipped"] == [1.0]
+        assert sum(result["all_mb_metrics"]["loss"]) == pytest.approx(sum(base["all_mb_metrics"]["loss"]), abs=1e-6)
+
+
+def test_reference_placeholder_is_not_read_at_kl_zero(unpatched):
+    """At KL 0 NeMo-RL v0.7.0 skips the reference pass itself (no reference model) and sends zeros:
+    NaN in their place leaves the Megatron worker's gradients bitwise unchanged (nothing reads them)."""
+    worker = harness.real_worker(gbs=ROWS, mbs=4)
+    grads: list[torch.Tensor] = []
+    step = worker.optimizer.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        grads.append(harness.main_grads(worker.model))
+        return step(*args, **kwargs)
+
+    worker.optimizer.step = recording_step
+    batch = dict(_batches()[0])
+    with torch.no_grad():
+        batch["prev_logprobs"] = worker.get_logprobs(data=batched(batch))["logprobs"]
+    batch["reference_policy_logprobs"] = torch.full_like(batch["prev_logprobs"], float("nan"))
+    worker.train(batched(batch), make_loss(TAG))
+    assert len(grads) == 1 and torch.equal(grads[0], unpatched.step_grads[0])
+
+
+def test_planted_fault_on_policy_switch_left_off(unpatched, monkeypatch, record_property):
+    monkeypatch.setattr(train_call, "_flag", lambda loss_fn: {})  # the loss reads the zero placeholder
+    faulty = _run(patched=True)
+    error = _max_rel(faulty, unpatched)
+    record_property("fault_megatron_prev_skip_switch_off_grad_rel", error)
+    assert error > 1e-2, error
+
+
+def test_placeholder_guard_fires_in_the_megatron_worker(monkeypatch):
+    """The switch lost on the way to the loss (the step still marked as skipped): the loss's read of
+    the zero placeholder raises instead of training on it."""
+
+    def marked_only(loss_fn: Any) -> dict:
+        saved = {PREV_IS_CURRENT: loss_fn.__dict__.get(PREV_IS_CURRENT, train_call._ABSENT)}
+        setattr(loss_fn, PREV_IS_CURRENT, True)
+        return saved
+
+    monkeypatch.setattr(train_call, "_flag", marked_only)
+    with raised_in_the_worker() as raised:
+        _run(patched=True)
+    assert raised.match("zero placeholder")
+
+
+@pytest.fixture(scope="module")
+def unpatched_two_steps() -> Run:
+    """One rollout batch, two optimizer steps (``train_global_batch_size`` = half the batch)."""
+    grpo_patches.disable("nemo_rl")
+    return _run(patched=False, gbs=ROWS // 2)
+
+
+@pytest.fixture()
+def workers_reached(monkeypatch, tmp_path):
+    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver."""
+    monkeypatch.setenv("GRPO_PATCHES", "nemo_rl")
+    monkeypatch.setenv("GRPO_PATCHES_STARTUP_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
+
+
+@pytest.mark.parametrize("zero_filter", [True, False], ids=["filter", "no-filter"])
+def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps, workers_reached, record_property):
+    patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": zero_filter})
+    error = _max_rel(patched, unpatched_two_steps)
+    name = "filter" if zero_filter else "no_filter"
+    record_property(f"exact_megatron_prev_rows_{name}_grad_rel", error)
+    record_property(f"saved_megatron_prev_rows_{name}_logprob_rows", sum(unpatched_two_steps.logprob_rows)
+                    - sum(patched.logprob_rows))
+    assert error <= 1e-6, error
+    # the second optimizer step's 6 rows (rows 8-10 have advantage 0: the filter drops them), in pairs
+    # (logprob_batch_size)
+    computed = 4 if zero_filter else 6
+    assert unpatched_two_steps.logprob_rows == [ROWS] and patched.logprob_rows == [computed]
+    assert patched.totals["old_logprob_rows_skipped"] == ROWS - computed
+    assert patched.totals["notes"]["prev_logprobs"].startswith("deferred to Policy.train")
+    if zero_filter:
+        assert patched.results[0]["all_mb_metrics"]["grpo_patches/rows_dropped"] == [6.0]  # 3 per optimizer step
+
+
+def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, workers_reached, monkeypatch,
+                                                            record_property):
+    monkeypatch.setattr(prev_rows, "plan", nemo_prev_rows_cases.rows_treated_as_first(ROWS // 2))
+    faulty = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
+    error = _max_rel(faulty, unpatched_two_steps)
+    record_property("fault_megatron_prev_rows_grad_rel", error)
+    assert error > 1e-3, error
+
+
+def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(workers_reached, monkeypatch):
+    """A row of the later optimizer step marked as a zero-advantage row although its advantage is not
+    0 (driver and workers disagreeing): the Megatron worker's loss raises instead of reading its NaN."""
+    original = prev_rows.plan
+
+    def wrong_zero_row(data: Any, gbs: int, multiple: int, zero_skip: bool) -> tuple[list[int], Any]:
+        compute, marks = original(data, gbs, multiple, zero_skip)
+        row = next(r for r in compute if r >= gbs and bool((data["advantages"][r] != 0).any()))
+        marks[row], marks[0] = prev_rows.ZERO, 0.0  # row 0 computed in its place: the pass keeps its row count
+        return sorted([0] + [r for r in compute if r != row]), marks
+
+    monkeypatch.setattr(prev_rows, "plan", wrong_zero_row)
+    with raised_in_the_worker() as raised:
+        _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": True})
+    assert raised.match("non-zero advantage")
