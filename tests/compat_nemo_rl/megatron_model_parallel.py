@@ -100,6 +100,7 @@ def _train(rank: int, port: int, topology: str) -> dict:
         return max(rel(a, b) for a, b in zip(run["grads"], base["grads"]))
 
     return {"rank": rank, "grad_rel": max_rel(patched), "fault_rel": max_rel(faulty),
+            "grad_norm": min(float(g.norm()) for g in base["grads"]),  # a shard with no gradient would compare as 0
             "steps": [len(base["grads"]), len(patched["grads"])], "note": note,
             "rows_base": sum(r for r, _ in base["forwards"]), "rows_patched": sum(r for r, _ in patched["forwards"]),
             "plan": patched["forwards"], "microbatches_base": len(base["forwards"]),
