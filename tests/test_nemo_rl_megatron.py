@@ -74,7 +74,9 @@ def _cfg(**megatron):
 def test_problems_name_each_uncovered_setting():
     model = SimpleNamespace(mtp_num_layers=None)
     assert problems(_cfg(), model, False) == []
-    assert "pipeline_model_parallel_size" in problems(_cfg(pipeline_model_parallel_size=2), model, False)[0]
+    assert problems(_cfg(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), model, False) == []
+    vpp = _cfg(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert "virtual_pipeline_model_parallel_size" in problems(vpp, model, False)[0]
     assert "context_parallel_size" in problems(_cfg(context_parallel_size=2), model, False)[0]
     dynamic = {**_cfg(), "dynamic_batching": {"enabled": True}}
     assert "dynamic_batching" in problems(dynamic, model, False)[0]

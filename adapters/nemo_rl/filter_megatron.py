@@ -64,10 +64,10 @@ def verify_setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
 def problems(cfg: Any, model_config: Any, dropped_rows_metrics: bool) -> list[str]:
     """The worker's settings (``policy`` config, megatron-core model config) the filter does not cover yet."""
     found = []
-    if int(setting(cfg, "megatron_cfg.pipeline_model_parallel_size", 1) or 1) > 1:
-        found.append("pipeline parallelism (policy.megatron_cfg.pipeline_model_parallel_size > 1) is not covered by "
-                     "the zero-advantage filter with the Megatron worker yet: the schedule sends fixed-shape "
-                     "micro-batches; set it to 1")
+    if int(setting(cfg, "megatron_cfg.virtual_pipeline_model_parallel_size", 1) or 1) > 1:
+        found.append("virtual pipeline stages (policy.megatron_cfg.virtual_pipeline_model_parallel_size > 1: the "
+                     "interleaved schedule) are not covered by the zero-advantage filter with the Megatron worker "
+                     "yet (pipeline parallelism without them is); unset it")
     if int(setting(cfg, "megatron_cfg.context_parallel_size", 1) or 1) > 1:
         found.append("context parallelism (policy.megatron_cfg.context_parallel_size > 1) is not covered by the "
                      "zero-advantage filter with the Megatron worker yet; set it to 1")

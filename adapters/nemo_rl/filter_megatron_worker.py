@@ -16,7 +16,10 @@ bracket every train call whatever the options (the loss finds the call to give t
 prev-logprob pass was skipped their detached current log-probs, :mod:`.skipped_rows`); the
 iterator is wrapped only with the filter on. Data-parallel ranks run the same number of micro-batches
 (zero-weight pads, :func:`.filter.plan`). Micro-batches keep the global batch's width (no column
-trim: the schedule gets one ``seq_length`` for all of them).
+trim: the schedule gets one ``seq_length`` for all of them). With pipeline parallelism the schedule
+sends every micro-batch's activations between stages in one fixed shape ``[seq_length, mbs, hidden]``:
+each micro-batch then gets zero-weight rows (``sample_mask`` 0: loss and gradient exactly 0) up to
+``mbs`` rows (:func:`fill_rows`); every stage holds the same rows and makes the same plan.
 """
 
 from __future__ import annotations
@@ -62,6 +65,18 @@ def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, arg
     return wrapped(*args, **kwargs)
 
 
+def fill_rows(microbatch: Any, rows: int) -> Any:
+    """``microbatch`` with copies of its last row appended up to ``rows`` rows, their ``sample_mask`` 0."""
+    have = int(microbatch["input_ids"].shape[0])
+    if have >= rows:
+        return microbatch
+    filled = microbatch.select_indices(list(range(have)) + [have - 1] * (rows - have))
+    mask = filled["sample_mask"].clone()
+    mask[have:] = 0
+    filled["sample_mask"] = mask
+    return filled
+
+
 def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``get_microbatch_iterator(data, cfg, mbs, straggler_timer, ...)`` -> ``(iterator, count,
     micro_batch_size, seq_length, padded_seq_length)``: the kept rows' micro-batches and their own count."""
@@ -76,6 +91,8 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     prev_real = not (getattr(loss_fn, "force_on_policy_ratio", False) or getattr(loss_fn, PREV_IS_CURRENT, False))
     layout, own = plan(call["data"], loss_fn, int(call["mbs"]), False, parallel_state.get_data_parallel_group(),
                        False, keep_dropped=prev_real, multiple=None)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # fixed-shape activations between stages
+        layout.microbatches = [fill_rows(mb, micro_batch_size) for mb in layout.microbatches]
     train.current = own
     for name in COUNTERS:
         setattr(train, name, getattr(train, name) + getattr(own, name))

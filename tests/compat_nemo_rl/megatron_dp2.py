@@ -64,10 +64,10 @@ def _train(rank: int, port: int) -> dict:
             "rows_dropped": metrics["grpo_patches/rows_dropped"][0]}
 
 
-def run_ranks(context: Any, port: int, timeout: float = 600) -> list[dict]:
-    """Run both ranks; their reports, rank 0 first."""
+def run_ranks(context: Any, port: int, timeout: float = 600, target: Any = None, args: tuple = ()) -> list[dict]:
+    """Run both ranks (``target(rank, port, *args, queue)``, by default this module's); their reports, rank 0 first."""
     queue = context.Queue()
-    procs = [context.Process(target=_rank, args=(rank, port, queue)) for rank in range(2)]
+    procs = [context.Process(target=target or _rank, args=(rank, port, *args, queue)) for rank in range(2)]
     for proc in procs:
         proc.start()
     results = sorted((queue.get(timeout=timeout) for _ in procs), key=lambda r: r["rank"])

@@ -135,9 +135,10 @@ def modules_that_see_te() -> list[str]:
     return seen + [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]
 
 
-def setup(rank: int = 0, world: int = 1, port: int | None = None) -> Any:
-    """Shims, a gloo group (of one; ``world`` ranks are data parallel), megatron-core's parallel state;
-    returns the worker module. Skips (under pytest) without a NeMo-RL source or Megatron-Bridge on the path."""
+def setup(rank: int = 0, world: int = 1, port: int | None = None, tp: int = 1, pp: int = 1) -> Any:
+    """Shims, a gloo group (of one; ``world`` ranks: ``tp`` x ``pp`` model parallel, the rest data
+    parallel), megatron-core's parallel state; returns the worker module. Skips (under pytest) without
+    a NeMo-RL source or Megatron-Bridge on the path."""
     from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
@@ -155,7 +156,7 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> Any:
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, pp)
     worker_module = importlib.import_module(WORKER_MODULE)
     seen = modules_that_see_te()
     if seen:
@@ -164,8 +165,10 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> Any:
 
 
 def tiny_gpt(seed: int = 0) -> Any:
-    """A 2-layer megatron-core ``GPTModel`` on local layers (fp32, no dropout, same weights per seed)."""
+    """A 2-layer megatron-core ``GPTModel`` on local layers (fp32, no dropout, same weights per seed);
+    this rank's tensor / pipeline part of it under the parallel state :func:`setup` made."""
     import torch
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -175,15 +178,21 @@ def tiny_gpt(seed: int = 0) -> Any:
                                ffn_hidden_size=64, params_dtype=torch.float32, use_cpu_initialization=True,
                                hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
                                masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-                               gradient_accumulation_fusion=False)
+                               gradient_accumulation_fusion=False,
+                               tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                               pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                               pipeline_dtype=torch.float32)
     torch.manual_seed(seed)
-    return GPTModel(config, local_layer_spec(config), vocab_size=VOCAB, max_sequence_length=64,
-                    position_embedding_type="rope")
+    tp = config.tensor_model_parallel_size
+    vocab = -(-VOCAB // tp) * tp  # split over TP ranks: padded to a multiple of TP, as Megatron-Bridge pads it
+    return GPTModel(config, local_layer_spec(config), vocab_size=vocab, max_sequence_length=64,
+                    position_embedding_type="rope", pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
 
 
 def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int = 1) -> Any:
     """The real ``MegatronPolicyWorkerImpl`` object with a fresh tiny GPT (same seed, same weights);
-    ``dp``: the data-parallel size :func:`setup` made."""
+    ``dp``: the data-parallel size :func:`setup` made (its ``tp`` / ``pp`` are read from the parallel state)."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -191,9 +200,14 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
     from megatron.core.utils import StragglerDetector
 
     worker_module = setup()
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     gpt = tiny_gpt(seed)
     model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(use_distributed_optimizer=False), gpt)
-    if dp > 1:  # the schedule's gradient all-reduce over DP (Megatron-Bridge's setup sets it in NeMo-RL)
+    if dp > 1 or pp > 1:  # the schedule's gradient all-reduce over DP and of the tied embedding over PP
+        # (Megatron-Bridge's setup sets it in NeMo-RL)
         from megatron.core.distributed import finalize_model_grads
 
         gpt.config.finalize_model_grads_func = finalize_model_grads
@@ -206,8 +220,8 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
     worker.cfg = {"train_global_batch_size": gbs, "train_micro_batch_size": mbs, "logprob_batch_size": mbs,
                   "dynamic_batching": {"enabled": False}, "sequence_packing": {"enabled": False},
                   "make_sequence_length_divisible_by": 1, "max_grad_norm": 0.0, "generation": None,
-                  "megatron_cfg": {"empty_unused_memory_level": 0, "tensor_model_parallel_size": 1,
-                                   "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                  "megatron_cfg": {"empty_unused_memory_level": 0, "tensor_model_parallel_size": tp,
+                                   "pipeline_model_parallel_size": pp, "context_parallel_size": 1,
                                    "sequence_parallel": False, "moe_per_layer_logging": False}}
     worker.model, worker.optimizer, worker.scheduler = model, optimizer, scheduler
     worker.megatron_cfg = types.SimpleNamespace(optimizer=optimizer_config)  # Megatron-Bridge's ConfigContainer

@@ -1,0 +1,54 @@
+"""The zero-advantage filter in NeMo-RL's real Megatron worker (v0.7.0) at tensor parallel 2 and pipeline parallel 2.
+
+Two spawned gloo processes per topology (:mod:`tests.compat_nemo_rl.megatron_model_parallel`):
+``MegatronPolicyWorkerImpl.train`` on a tiny megatron-core ``GPTModel`` split over the two ranks
+(vocabulary-parallel output and column / row-parallel layers at TP 2; one layer per stage and
+megatron-core's 1F1B schedule with fixed-shape p2p activations at PP 2), patched vs unpatched from
+the same weights: each rank's gradient shard before each of the two optimizer steps equal (fp32,
+rel <= 1e-6), fewer rows through the autograd forward, both ranks the same plan (the same
+micro-batches, by rows and token sums), NeMo-RL's loss sum unchanged, ``get_logprobs`` bitwise
+unchanged; the planted renormalising filter is caught on every rank. Skips without a NeMo-RL source
+(v0.7.0) or Megatron-Bridge on the path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import pytest
+
+from tests.compat_nemo_rl import megatron_model_parallel as ranks
+from tests.compat_nemo_rl.megatron_dp2 import run_ranks
+from tests.helpers import nemo_rl_megatron_harness as harness
+from tests.helpers.nemo_worker_harness import ZERO_ROWS
+
+harness.setup()  # skips the module without a NeMo-RL source or Megatron-Bridge (its gloo group stays here)
+
+#: rows through the autograd forward, patched: 3 kept rows per global batch in micro-batches of 2; at PP 2
+#: the short last one is filled to 2 rows with zero-weight rows (the schedule's fixed activation shape)
+ROWS_PATCHED = {"tp2": 12 - len(ZERO_ROWS), "pp2": 8}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("topology", list(ranks.TOPOLOGIES))
+def test_filter_exact_with_the_same_plan_on_both_ranks(topology, record_property):
+    results = run_ranks(multiprocessing.get_context("spawn"), _free_port(), target=ranks.run_rank, args=(topology,))
+    for rank in results:
+        record_property(f"exact_megatron_filter_{topology}_rank{rank['rank']}_grad_rel", rank["grad_rel"])
+        record_property(f"fault_renormalised_grad_rel_{topology}_rank{rank['rank']}", rank["fault_rel"])
+        assert rank["grad_rel"] <= 1e-6 and rank["grad_norm"] > 0, rank
+        assert rank["fault_rel"] > 1e-2, rank  # the comparison can fail
+        assert rank["steps"] == [2, 2] and rank["note"].startswith("on"), rank
+        assert rank["rows_base"] == 12 and rank["rows_patched"] == ROWS_PATCHED[topology], rank
+        assert rank["microbatches_base"] == 6 and len(rank["plan"]) == 4, rank
+        assert abs(rank["loss_patched"] - rank["loss_base"]) <= 1e-6, rank
+        assert rank["rows_dropped"] == [float(len(ZERO_ROWS))] and rank["microbatches_dropped"] == [2.0], rank
+        assert rank["logprobs_equal"], rank
+    assert results[0]["plan"] == results[1]["plan"]  # every TP rank / pipeline stage ran the same micro-batches
+    record_property(f"saved_megatron_filter_{topology}_autograd_rows", results[0]["rows_base"] - results[0]["rows_patched"])
