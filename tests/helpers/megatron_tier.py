@@ -16,6 +16,9 @@ import socket
 import torch
 
 GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
+#: bf16 compared with the noise floor: the gpu tier; ``GRPO_PATCHES_MEGATRON_BF16=1`` runs the NeMo-RL Megatron
+#: cell's bf16 comparisons on a CPU too (local layers, gloo): a check of the gpu tier's test code without a GPU
+BF16 = GPU or os.environ.get("GRPO_PATCHES_MEGATRON_BF16") == "1"
 #: patched vs unpatched, relative gradient difference, fp32 (the cpu tier)
 FP32_TOL = 1e-6
 
