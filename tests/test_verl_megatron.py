@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from tests.helpers import verl_megatron_harness as mh  # noqa: E402
+from tests.helpers.megatron_tier import skip_unless_gpus, tolerance as noise_tolerance  # noqa: E402
 
 TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
@@ -66,8 +67,7 @@ def tolerance(workers):
     (static vs dynamic micro-batches, unpatched), and never below 1e-6."""
     if not mh.GPU:
         return TOL
-    noise = h.max_rel(workers[True].run(None), workers[False].run(None))
-    return max(TOL, 2 * noise)
+    return noise_tolerance(h.max_rel(workers[True].run(None), workers[False].run(None)))
 
 
 @pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
@@ -166,7 +166,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
         got = workers[dynamic].run(FILTER, **kw)
         results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
                         "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows,
-                        "ref_grad_rows": ref.grad_rows, "tol": max(TOL, 2 * noise)})
+                        "ref_grad_rows": ref.grad_rows, "tol": noise_tolerance(noise)})
     with open(os.path.join(out_dir, f"{topology}-rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -174,8 +174,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def two_process_results(request, tmp_path_factory):
-    if mh.GPU and torch.cuda.device_count() < 2:
-        pytest.skip("not run: two processes need two GPUs on the gpu tier")
+    skip_unless_gpus(2)
     out = tmp_path_factory.mktemp(f"verl_megatron_{request.param}")
     path = mh.model_dir(str(out))
     mp.spawn(_two_process_worker, args=(h.free_port(), str(out), path, request.param), nprocs=2, join=True)

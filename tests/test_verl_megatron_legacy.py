@@ -33,6 +33,7 @@ from packaging.version import Version  # noqa: E402
 
 from tests.helpers import verl_megatron_harness as mh  # noqa: E402
 from tests.helpers import verl_megatron_legacy_harness as lh  # noqa: E402
+from tests.helpers.megatron_tier import skip_unless_gpus, tolerance as noise_tolerance  # noqa: E402
 
 TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
@@ -56,8 +57,7 @@ def tolerance(workers):
     (static vs dynamic micro-batches, unpatched), and never below 1e-6."""
     if not mh.GPU:
         return TOL
-    noise = h.max_rel(workers["plain"].run(None, dynamic=True), workers["plain"].run(None))
-    return max(TOL, 2 * noise)
+    return noise_tolerance(h.max_rel(workers["plain"].run(None, dynamic=True), workers["plain"].run(None)))
 
 
 def _values(metric: list) -> list:
@@ -224,7 +224,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
         got = worker.run(FILTER, **kw)
         results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
                         "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows,
-                        "ref_grad_rows": ref.grad_rows, "tol": max(TOL, 2 * noise)})
+                        "ref_grad_rows": ref.grad_rows, "tol": noise_tolerance(noise)})
     with open(os.path.join(out_dir, f"{topology}-rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -232,8 +232,7 @@ def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, top
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def two_process_results(request, tmp_path_factory):
-    if mh.GPU and torch.cuda.device_count() < 2:
-        pytest.skip("not run: two processes need two GPUs on the gpu tier")
+    skip_unless_gpus(2)
     out = tmp_path_factory.mktemp(f"verl_megatron_legacy_{request.param}")
     path = mh.model_dir(str(out))
     mp.spawn(_two_process_worker, args=(h.free_port(), str(out), path, request.param), nprocs=2, join=True)

@@ -17,6 +17,11 @@
   wrapped in megatron-core's ``DistributedDataParallel``, megatron-core's optimizer (SGD, no
   clipping) and LR scheduler, a straggler timer, and the worker's flags at their defaults.
 
+On the gpu tier (:mod:`tests.helpers.megatron_tier`) the same worker runs on CUDA in bf16 (NCCL,
+megatron-core's ``Float16Module`` and mixed-precision optimizer as Megatron-Bridge builds them, Transformer
+Engine layers where TE is installed, and then no stand-in: the real TE is imported); ``bf16=True`` builds
+that precision on a CPU too (local layers), so the bf16 path is exercised without a GPU.
+
 Measured on NeMo-RL v0.7.0, Python 3.12, megatron-core 0.19.2, Megatron-Bridge 0.6.2 (PyPI,
 ``--no-deps``; the import also needs ``nvidia-modelopt``, ``megatron-energon``, ``tensorboard``
 and NeMo-RL's logger packages: compat/README.md has the recipe).
@@ -34,6 +39,7 @@ import types
 from typing import Any
 
 from grpo_patches.testing import skip
+from tests.helpers import megatron_tier
 
 #: Megatron-Bridge modules that import Transformer Engine at module level (Megatron-Bridge 0.6.2).
 BRIDGE_TE_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec")
@@ -135,10 +141,18 @@ def modules_that_see_te() -> list[str]:
     return seen + [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]
 
 
+def stand_in_names() -> list[str]:
+    """Loaded Megatron-Bridge modules holding a name of the stand-in (expected on a CPU; with the real TE: none)."""
+    return sorted(name for name in BRIDGE_TE_MODULES if name in sys.modules and any(
+        isinstance(v, _StandInModule) or (isinstance(v, type) and issubclass(v, _Absent))
+        for v in vars(sys.modules[name]).values()))
+
+
 def setup(rank: int = 0, world: int = 1, port: int | None = None, tp: int = 1, pp: int = 1) -> Any:
     """Shims, a gloo group (of one; ``world`` ranks: ``tp`` x ``pp`` model parallel, the rest data
     parallel), megatron-core's parallel state; returns the worker module. Skips (under pytest) without
-    a NeMo-RL source or Megatron-Bridge on the path."""
+    a NeMo-RL source or Megatron-Bridge on the path.
+    On the gpu tier: no shims, an NCCL group, and the real Transformer Engine where it is installed."""
     from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
@@ -148,51 +162,83 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None, tp: int = 1, p
     if importlib.util.find_spec("megatron.bridge") is None:
         skip("not run: no Megatron-Bridge on the path (compat/README.md, NeMo-RL's Megatron worker)")
     os.environ.setdefault("NRL_SKIP_CONTAINER_FINGERPRINT_CHECK", "1")
-    install_bridge_te_stand_in()
-    from tests.helpers import megatron_cpu_shim
+    real_te = megatron_tier.use_te()
+    if not real_te:  # the stand-in would hide an installed Transformer Engine from Megatron-Bridge
+        install_bridge_te_stand_in()
+    if megatron_tier.GPU:
+        megatron_tier.init_nccl(rank, world, port)
+    else:
+        from tests.helpers import megatron_cpu_shim
 
-    megatron_cpu_shim.install()  # before megatron-core builds or allocates anything
-    init_gloo(rank, world, port)
+        megatron_cpu_shim.install()  # before megatron-core builds or allocates anything
+        init_gloo(rank, world, port)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp)
     worker_module = importlib.import_module(WORKER_MODULE)
-    seen = modules_that_see_te()
+    if real_te and stand_in_names():
+        raise RuntimeError(f"the Transformer Engine stand-in hides the installed one in {stand_in_names()}")
+    seen = [] if real_te else modules_that_see_te()
     if seen:
         raise RuntimeError(f"megatron-core takes Transformer Engine for installed in {seen}")
     return worker_module
 
 
-def tiny_gpt(seed: int = 0) -> Any:
-    """A 2-layer megatron-core ``GPTModel`` on local layers (fp32, no dropout, same weights per seed);
-    this rank's tensor / pipeline part of it under the parallel state :func:`setup` made."""
+def tiny_gpt(seed: int = 0, bf16: bool = megatron_tier.BF16) -> Any:
+    """A 2-layer megatron-core ``GPTModel`` (no dropout, same weights per seed): local layers, fp32 on the cpu tier;
+    this rank's tensor / pipeline part of it under the parallel state :func:`setup` made.
+    ``bf16`` (the gpu tier's default): bf16 weights in megatron-core's ``Float16Module`` (fp32 logits), as
+    Megatron-Bridge builds a bf16 policy; on the gpu tier on CUDA, with TE layers where TE is installed."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    from tests.helpers.megatron_cpu_shim import local_layer_spec
-
+    dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=64, params_dtype=torch.float32, use_cpu_initialization=True,
+                               ffn_hidden_size=64, params_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
                                hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
                                masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                                gradient_accumulation_fusion=False,
                                tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
                                pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-                               pipeline_dtype=torch.float32)
+                               pipeline_dtype=dtype)
     torch.manual_seed(seed)
+    if megatron_tier.GPU:  # megatron-core's CUDA RNG tracker, reset to the seed (as Megatron-Bridge seeds it)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
     tp = config.tensor_model_parallel_size
     vocab = -(-VOCAB // tp) * tp  # split over TP ranks: padded to a multiple of TP, as Megatron-Bridge pads it
-    return GPTModel(config, local_layer_spec(config), vocab_size=vocab, max_sequence_length=64,
-                    position_embedding_type="rope", pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage())
+    gpt = GPTModel(config, _layer_spec(config), vocab_size=vocab, max_sequence_length=64,
+                   position_embedding_type="rope", pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage())
+    if megatron_tier.GPU:
+        gpt = gpt.cuda()
+    if not bf16:
+        return gpt
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, gpt)
 
 
-def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int = 1) -> Any:
+def _layer_spec(config: Any) -> Any:
+    """Transformer Engine layers on the gpu tier where TE is installed, megatron-core's local ones otherwise."""
+    if not megatron_tier.use_te():
+        from tests.helpers.megatron_cpu_shim import local_layer_spec
+
+        return local_layer_spec(config)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+
+
+def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int = 1,
+                bf16: bool = megatron_tier.BF16) -> Any:
     """The real ``MegatronPolicyWorkerImpl`` object with a fresh tiny GPT (same seed, same weights);
-    ``dp``: the data-parallel size :func:`setup` made (its ``tp`` / ``pp`` are read from the parallel state)."""
+    ``dp``: the data-parallel size :func:`setup` made (its ``tp`` / ``pp`` are read from the parallel state);
+    ``bf16``: :func:`tiny_gpt`'s."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -204,14 +250,17 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    gpt = tiny_gpt(seed)
+    gpt = tiny_gpt(seed, bf16)
     model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(use_distributed_optimizer=False), gpt)
     if dp > 1 or pp > 1:  # the schedule's gradient all-reduce over DP and of the tied embedding over PP
         # (Megatron-Bridge's setup sets it in NeMo-RL)
         from megatron.core.distributed import finalize_model_grads
 
         gpt.config.finalize_model_grads_func = finalize_model_grads
-    optimizer_config = OptimizerConfig(optimizer="sgd", lr=lr, clip_grad=0.0, params_dtype=torch.float32)
+    # megatron-core's mixed-precision optimizer (fp32 main weights) takes CUDA tensors only: bf16 on a CPU steps
+    # the bf16 weights themselves (the gradient is recorded before each step)
+    optimizer_config = OptimizerConfig(optimizer="sgd", lr=lr, clip_grad=0.0, params_dtype=torch.float32,
+                                       bf16=bf16 and megatron_tier.GPU)
     optimizer = get_megatron_optimizer(optimizer_config, [model])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
                                         lr_decay_steps=1, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
@@ -227,7 +276,7 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
     worker.megatron_cfg = types.SimpleNamespace(optimizer=optimizer_config)  # Megatron-Bridge's ConfigContainer
     worker.mcore_state = types.SimpleNamespace(straggler_timer=StragglerDetector())  # Megatron-Bridge's GlobalState
     worker.dp_size = dp
-    worker.dtype = torch.float32
+    worker.dtype = torch.bfloat16 if bf16 else torch.float32
     worker.fp8_cfg = None
     worker.sampling_params = None
     worker.draft_model = None
@@ -253,7 +302,8 @@ def direct_logprobs(gpt: Any, input_ids: Any) -> Any:
     by megatron-core): the reference the worker's micro-batched path is compared with."""
     import torch
 
-    positions = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
+    input_ids = input_ids.to(next(gpt.parameters()).device)  # the gpu tier's model is on CUDA
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     logits = gpt(input_ids=input_ids, position_ids=positions, attention_mask=None).float()
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-    return logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1).cpu()

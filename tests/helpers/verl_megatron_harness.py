@@ -20,10 +20,9 @@ from typing import Any
 import torch
 
 from grpo_patches.testing import verl_actor_runs as h
-
 from grpo_patches.testing import verl_engine_runs as engine_runs
+from tests.helpers.megatron_tier import GPU, init_nccl
 
-GPU = os.environ.get("GRPO_PATCHES_TIER") == "gpu" and torch.cuda.is_available()
 #: fp32 on CPU (exactness at 1e-6); bf16 on the gpu tier (compared with the re-batching noise floor)
 DTYPE = "bfloat16" if GPU else "float32"
 #: ``GRPO_PATCHES_PLANTED_FAULT=renormalise`` runs every patched update through :func:`renormalising_filter`
@@ -66,14 +65,8 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
         megatron_cpu_shim.mbridge_local_layers()
         h.init_pg(rank, world, port)
         return
-    import torch.distributed as dist
-
     megatron_cpu_shim.mbridge_model_type()
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or h.free_port()), RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl", rank=rank, world_size=world)
+    init_nccl(rank, world, port)
 
 
 def model_dir(root: str) -> str:
