@@ -141,9 +141,9 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> Any:
     from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
-    if name != "v0.7.0":  # measured on megatron-core 0.19.2 (compat/README.md, NeMo-RL's Megatron worker)
+    if name not in ("v0.7.0", "main"):  # measured (compat/README.md, NeMo-RL's Megatron worker)
         skip(f"not run: NeMo-RL {name}'s Megatron worker does not import on megatron-core 0.19.2 "
-             "(v0.6.0: megatron.training.utils.unwrap_model; main: FullyShardedDataParallelV1)")
+             "(megatron.training.utils.unwrap_model)")
     if importlib.util.find_spec("megatron.bridge") is None:
         skip("not run: no Megatron-Bridge on the path (compat/README.md, NeMo-RL's Megatron worker)")
     os.environ.setdefault("NRL_SKIP_CONTAINER_FINGERPRINT_CHECK", "1")
@@ -224,6 +224,11 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
     worker._first_train_step_param_sync_func = None
     worker._router_replay_enabled = False
     worker.rank = 0
+    if hasattr(worker_module, "Timer"):  # main's __init__ also sets these (read by train / get_logprobs)
+        worker.timer = worker_module.Timer(context={"worker": "megatron_policy", "rank": 0})
+        worker.media_placeholder_token_id = None
+        worker.delegate_mtp_loss_mask_to_model = False
+        worker.model_slices_context_parallel_inputs = False
     return worker
 
 
