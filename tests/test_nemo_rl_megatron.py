@@ -1,7 +1,7 @@
 """NeMo-RL's Megatron policy worker: where the zero-advantage filter runs, and the notes where it does not.
 
 On each tag's stand-in (:mod:`tests.helpers.nemo_fake`), ``grpo.setup`` with ``policy.megatron_cfg.enabled``:
-on v0.7.0 and main the worker is patched (the filter decides there, per train call; proven on the real worker
+on v0.6.0, v0.7.0 and main the worker is patched (the filter decides there, per train call; proven on the real worker
 in ``tests/compat_nemo_rl/test_real_megatron_filter.py``), so setup says nothing; on the other tags
 ``"auto"`` notes in ``status()`` why that tag's worker is not patched and ``True`` raises before
 training; a DTensor policy gets no note. The Megatron settings the worker-side filter does not cover
@@ -33,7 +33,7 @@ def _setup(tag: str, megatron: bool):
     return grpo.setup(config, None, None, None)
 
 
-PATCHED_TAGS = ("v0.7.0", "main")
+PATCHED_TAGS = ("v0.6.0", "v0.7.0", "main")
 
 
 @pytest.mark.parametrize("tag", [t for t in nemo_fake.TAGS if t not in PATCHED_TAGS])
@@ -45,7 +45,7 @@ def test_unpatched_tags_auto_notes_and_true_refuses(fake_nemo, tag):  # noqa: F8
     _setup(tag, megatron=True)
     note = grpo_patches.status()["nemo_rl"]["notes"]["zero_advantage_filter"]
     assert note.startswith("off: NeMo-RL ") and "Megatron worker is not patched" in note, note
-    assert "v0.7.0's and main's Megatron worker" in note, note
+    assert "v0.6.0+'s Megatron worker" in note, note
     grpo_patches.disable("nemo_rl")
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
     with pytest.raises(IncompatibleOptionsError, match="Megatron worker is not patched"):
@@ -60,13 +60,13 @@ def test_patched_tags_setup_leaves_the_decision_to_the_worker(fake_nemo, tag):  
     assert "Megatron" not in str(grpo_patches.status()["nemo_rl"]["notes"].get("zero_advantage_filter"))
 
 
-def test_megatron_worker_records_are_v070_and_main():
+def test_megatron_worker_records_are_v060_and_up():
     records = [t for t in PATCHES if t.module == MEGATRON]
     assert {t.attribute for t in records} == {"process_global_batch", "get_microbatch_iterator",
                                               "aggregate_training_statistics"}
     for target in records:
         assert target.option == "zero_advantage_filter" and target.pickle_by_reference
-        assert [v for v in ("0.6.0", "0.7.0", "0.8.0.dev0") if target.applies_to(Version(v))] == ["0.7.0", "0.8.0.dev0"]
+        assert [v for v in ("0.6.0", "0.7.0", "0.8.0.dev0") if target.applies_to(Version(v))] == ["0.6.0", "0.7.0", "0.8.0.dev0"]
 
 
 def _cfg(**megatron):

@@ -9,7 +9,7 @@ Ray workers, which get grpo_patches through the start-up directory (``grpo-patch
 Driver:
 
 - ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`); with a
-  Megatron policy (``zero_advantage_filter``) on v0.5.0 / v0.6.0: the filter does not
+  Megatron policy (``zero_advantage_filter``) on v0.5.0: the filter does not
   cover that tag's Megatron worker, a note or an error (:mod:`.filter_megatron`).
 - ``Policy.__init__``, ``Policy.get_reference_policy_logprobs`` (V05, V06; ``logprob_skip``):
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
@@ -40,7 +40,7 @@ Workers:
   (V06+, ``zero_advantage_filter``): :mod:`.filter_v060`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
 - ``process_global_batch``, ``get_microbatch_iterator`` and ``aggregate_training_statistics`` of the
-  Megatron worker module (V07+, ``zero_advantage_filter``): :mod:`.filter_megatron_worker`.
+  Megatron worker module (V06+, ``zero_advantage_filter``): :mod:`.filter_megatron_worker`.
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
   :mod:`.tiled`.
@@ -122,15 +122,15 @@ PATCHES = (
                 option=VERIFY, pickle_by_reference=True),
     PatchTarget(WORKER, "automodel_forward_backward", f"{_H}.verify:forward_backward_wrapper", versions=V06_UP,
                 option=VERIFY, pickle_by_reference=True),
-    # NeMo-RL v0.7.0's and main's Megatron policy worker: the filter (its worker module's names, as for the DTensor worker)
+    # NeMo-RL's Megatron policy worker (v0.6.0+): the filter (its worker module's names, as for the DTensor worker)
     PatchTarget(MEGATRON, "process_global_batch", f"{_H}.filter_megatron_worker:process_global_batch_wrapper",
-                versions=V07_UP, option=FILTER, pickle_by_reference=True),
+                versions=V06_UP, option=FILTER, pickle_by_reference=True),
     PatchTarget(MEGATRON, "get_microbatch_iterator", f"{_H}.filter_megatron_worker:microbatch_iterator_wrapper",
-                versions=V07_UP, option=FILTER, pickle_by_reference=True),
+                versions=V06_UP, option=FILTER, pickle_by_reference=True),
     PatchTarget(MEGATRON, "aggregate_training_statistics", f"{_H}.filter_megatron_worker:aggregate_wrapper",
-                versions=V07_UP, option=FILTER, pickle_by_reference=True),
+                versions=V06_UP, option=FILTER, pickle_by_reference=True),
     # driver: the other tags' Megatron worker is not patched (a note, or an error for True)
-    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=V05_V06, option=FILTER),
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=V05, option=FILTER),
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:verify_setup_wrapper", versions=V06_UP, option=VERIFY),
 )
 

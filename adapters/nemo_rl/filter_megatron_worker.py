@@ -1,4 +1,4 @@
-"""The zero-advantage filter in NeMo-RL's Megatron policy worker (v0.7.0 and main: ``MegatronPolicyWorkerImpl.train``).
+"""The zero-advantage filter in NeMo-RL's Megatron policy worker (v0.6.0+: ``MegatronPolicyWorkerImpl.train``).
 
 ``train()`` gets each global batch from ``process_global_batch`` (``global_valid_seqs`` /
 ``global_valid_toks`` all-reduced over DP on the whole global batch), then its micro-batches and
@@ -56,6 +56,11 @@ def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
     return train
 
 
+#: the model's layout flags ``get_microbatch_iterator`` takes and hands to the processed iterator, where the
+#: tag has them (v0.7.0: the first; main: all three; v0.6.0: none)
+LAYOUT_FLAGS = ("delegate_pack_to_model", "delegate_mtp_loss_mask_to_model", "model_slices_context_parallel_inputs")
+
+
 def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size)``, as the Megatron
     worker module names it: a train call begins at its first global batch."""
@@ -86,7 +91,7 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     iterator = data_module.make_processed_microbatch_iterator(
         raw_iterator=iter(layout.microbatches), cfg=call["cfg"], seq_length_key=call["seq_length_key"],
         pad_individual_seqs_to_multiple_of=1, pad_packed_seq_to_multiple_of=1, straggler_timer=call["straggler_timer"],
-        pad_full_seq_to=None, delegate_pack_to_model=call["delegate_pack_to_model"])
+        pad_full_seq_to=None, **{name: call[name] for name in LAYOUT_FLAGS if name in call})
     return iterator, len(layout.microbatches), micro_batch_size, seq_length, padded
 
 

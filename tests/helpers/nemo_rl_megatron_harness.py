@@ -35,8 +35,10 @@ from typing import Any
 
 from grpo_patches.testing import skip
 
-#: Megatron-Bridge modules that import Transformer Engine at module level (Megatron-Bridge 0.6.2).
-BRIDGE_TE_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec")
+#: Megatron-Bridge modules that import Transformer Engine at module level (Megatron-Bridge 0.6.2; ``peft.lora``:
+#: 0.5.0, NeMo-RL v0.6.0's pin).
+BRIDGE_TE_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec",
+                     "megatron.bridge.peft.lora")
 WORKER_MODULE = "nemo_rl.models.policy.workers.megatron_policy_worker"
 VOCAB = 23
 
@@ -141,9 +143,8 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> Any:
     from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
-    if name not in ("v0.7.0", "main"):  # measured (compat/README.md, NeMo-RL's Megatron worker)
-        skip(f"not run: NeMo-RL {name}'s Megatron worker does not import on megatron-core 0.19.2 "
-             "(megatron.training.utils.unwrap_model)")
+    if name == "v0.5.0":  # v0.6.0+ measured (compat/README.md, NeMo-RL's Megatron worker)
+        skip("not run: NeMo-RL v0.5.0's Megatron worker was not run")
     if importlib.util.find_spec("megatron.bridge") is None:
         skip("not run: no Megatron-Bridge on the path (compat/README.md, NeMo-RL's Megatron worker)")
     os.environ.setdefault("NRL_SKIP_CONTAINER_FINGERPRINT_CHECK", "1")
