@@ -19,7 +19,8 @@
 
 Measured on NeMo-RL v0.7.0, Python 3.12, megatron-core 0.19.2, Megatron-Bridge 0.6.2 (PyPI,
 ``--no-deps``; the import also needs ``nvidia-modelopt``, ``megatron-energon``, ``tensorboard``
-and NeMo-RL's logger packages: compat/README.md has the recipe).
+and NeMo-RL's logger packages: compat/README.md has the recipe); v0.6.0 and main on the
+megatron-core / Megatron-Bridge pair each pins (built from checkouts: compat/README.md).
 """
 
 from __future__ import annotations
