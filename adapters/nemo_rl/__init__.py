@@ -2,14 +2,14 @@
 
 The version is read from the source (:mod:`.version`; main reports ``0.8.0.dev0``).
 :data:`PATCHES` is the adapter's one patch table; each record narrows the supported range to
-the tag lines whose code it fits (``V05`` = v0.5.0, ``V06`` = v0.6.0, ``V07`` = v0.7.0,
-``MAIN`` = main, ``V07_UP`` = v0.7.0 and main). Driver records act in the process that runs ``grpo_train``; worker records act in the
+the tag lines whose code it fits (``V05`` = v0.5.0, ``V06`` = v0.6.0, ``V06_UP`` = v0.6.0 and later,
+``V07_UP`` = v0.7.0 and main). Driver records act in the process that runs ``grpo_train``; worker records act in the
 Ray workers, which get grpo_patches through the start-up directory (``grpo-patches run``).
 
 Driver:
 
 - ``grpo.setup`` (always): the reference decision, option checks (:mod:`.driver_setup`); with a
-  Megatron policy (``zero_advantage_filter``) on a tag other than v0.7.0: the filter does not
+  Megatron policy (``zero_advantage_filter``) on v0.5.0: the filter does not
   cover that tag's Megatron worker, a note or an error (:mod:`.filter_megatron`).
 - ``Policy.__init__``, ``Policy.get_reference_policy_logprobs`` (V05, V06; ``logprob_skip``):
   no reference model at KL 0 (:mod:`.reference`; NeMo-RL >= 0.7.0 does this itself).
@@ -39,8 +39,8 @@ Workers:
 - ``get_microbatch_iterator`` of the worker module and ``forward_with_post_processing_fn``
   (V06+, ``zero_advantage_filter``): :mod:`.filter_v060`; ``BatchedDataDict`` micro-batch iterators
   (V05): :mod:`.filter_v050`.
-- ``process_global_batch`` and ``aggregate_training_statistics`` of the Megatron worker module (V07: the
-  train call, whatever the options) and its ``get_microbatch_iterator`` (V07, ``zero_advantage_filter``):
+- ``process_global_batch`` and ``aggregate_training_statistics`` of the Megatron worker module (V06+: the
+  train call, whatever the options) and its ``get_microbatch_iterator`` (V06+, ``zero_advantage_filter``):
   :mod:`.filter_megatron_worker`.
 - ``forward_with_post_processing_fn``, ``apply_temperature_scaling``,
   ``LossPostProcessor.__call__`` of ``nemo_rl.models.automodel.train`` (V06+, ``tiled_loss``):
@@ -61,7 +61,6 @@ from .version import origin, read_version
 
 _H = "grpo_patches.adapters.nemo_rl"
 V05, V06, V05_V06, V06_UP, V07_UP = "<0.6.0", ">=0.6.0,<0.7.0", "<0.7.0", ">=0.6.0", ">=0.7.0"
-V07, MAIN = ">=0.7.0,<0.8.0.dev0", ">=0.8.0.dev0"
 GRPO = "nemo_rl.algorithms.grpo"
 POLICY = "nemo_rl.models.policy.lm_policy"
 LOGGER = "nemo_rl.utils.logger"
@@ -123,18 +122,17 @@ PATCHES = (
                 option=VERIFY, pickle_by_reference=True),
     PatchTarget(WORKER, "automodel_forward_backward", f"{_H}.verify:forward_backward_wrapper", versions=V06_UP,
                 option=VERIFY, pickle_by_reference=True),
-    # NeMo-RL v0.7.0's Megatron policy worker: the filter (its worker module's names, as for the DTensor worker)
+    # NeMo-RL's Megatron policy worker (v0.6.0+): the filter (its worker module's names, as for the DTensor worker)
     # (the call brackets whatever the options, as for the DTensor worker: the loss finds the train call, e.g.
     # to put the detached current log-probs in the rows whose prev-logprob pass was skipped, :mod:`.prev_rows`)
     PatchTarget(MEGATRON, "process_global_batch", f"{_H}.filter_megatron_worker:process_global_batch_wrapper",
-                versions=V07, pickle_by_reference=True),
+                versions=V06_UP, pickle_by_reference=True),
     PatchTarget(MEGATRON, "get_microbatch_iterator", f"{_H}.filter_megatron_worker:microbatch_iterator_wrapper",
-                versions=V07, option=FILTER, pickle_by_reference=True),
+                versions=V06_UP, option=FILTER, pickle_by_reference=True),
     PatchTarget(MEGATRON, "aggregate_training_statistics", f"{_H}.filter_megatron_worker:aggregate_wrapper",
-                versions=V07, pickle_by_reference=True),
+                versions=V06_UP, pickle_by_reference=True),
     # driver: the other tags' Megatron worker is not patched (a note, or an error for True)
-    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=V05_V06, option=FILTER),
-    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=MAIN, option=FILTER),
+    PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:setup_wrapper", versions=V05, option=FILTER),
     PatchTarget(GRPO, "setup", f"{_H}.filter_megatron:verify_setup_wrapper", versions=V06_UP, option=VERIFY),
 )
 

@@ -1,7 +1,7 @@
 """The zero-advantage filter with NeMo-RL's Megatron policy worker: where it runs, and why not elsewhere.
 
-With ``policy.megatron_cfg.enabled`` NeMo-RL trains in ``MegatronPolicyWorker(Impl)``. On v0.7.0
-the filter runs there (:mod:`.filter_megatron_worker`, proven on the real worker). On the other
+With ``policy.megatron_cfg.enabled`` NeMo-RL trains in ``MegatronPolicyWorker(Impl)``. On v0.6.0,
+v0.7.0 and main the filter runs there (:mod:`.filter_megatron_worker`, proven on the real worker). On the other
 tags the worker is not patched: ``grpo.setup`` (driver, wrapped) sees the config before any worker
 exists and says so — ``"auto"``: a note in ``status()``, ``True``: one clear error before training
 (:data:`NOT_PATCHED` gives the reason per tag line). Nothing is imported from the Megatron worker
@@ -26,10 +26,6 @@ from .version import read_version
 #: Why the Megatron worker of a tag line (major.minor) is not patched.
 NOT_PATCHED = {
     "0.5": "NeMo-RL v0.5.0's Megatron worker is not patched (not run here)",
-    "0.6": "NeMo-RL v0.6.0's Megatron worker is not patched: it does not import on the megatron-core the "
-           "filter was proven on (megatron.training.utils.unwrap_model)",
-    "0.8": "NeMo-RL main's Megatron worker is not patched: it does not import on the megatron-core the filter "
-           "was proven on (FullyShardedDataParallelV1)",
 }
 
 
@@ -37,7 +33,7 @@ def _why() -> str:
     found = read_version() or ""
     line = ".".join(found.split(".")[:2])
     reason = NOT_PATCHED.get(line, f"NeMo-RL {found}'s Megatron worker is not patched")
-    return f"{reason}; the zero-advantage filter runs in NeMo-RL v0.7.0's Megatron worker and the DTensor worker"
+    return f"{reason}; the zero-advantage filter runs in NeMo-RL v0.6.0+'s Megatron worker and the DTensor worker"
 
 
 def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

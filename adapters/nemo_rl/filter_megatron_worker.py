@@ -1,4 +1,4 @@
-"""The zero-advantage filter in NeMo-RL v0.7.0's Megatron policy worker (``MegatronPolicyWorkerImpl.train``).
+"""The zero-advantage filter in NeMo-RL's Megatron policy worker (v0.6.0+: ``MegatronPolicyWorkerImpl.train``).
 
 ``train()`` gets each global batch from ``process_global_batch`` (``global_valid_seqs`` /
 ``global_valid_toks`` all-reduced over DP on the whole global batch), then its micro-batches and
@@ -20,6 +20,10 @@ trim: the schedule gets one ``seq_length`` for all of them). With pipeline paral
 sends every micro-batch's activations between stages in one fixed shape ``[seq_length, mbs, hidden]``:
 each micro-batch then gets zero-weight rows (``sample_mask`` 0: loss and gradient exactly 0) up to
 ``mbs`` rows (:func:`fill_rows`); every stage holds the same rows and makes the same plan.
+
+main adds a split train step (``begin_train_step`` / ``train_microbatch`` / ``finish_train_step``,
+NeMo-RL's data plane) that inlines ``process_global_batch``: it is not filtered, and its first
+micro-batch notes that (``"auto"``) or raises (``True``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
     return train
 
 
+#: the model's layout flags ``get_microbatch_iterator`` takes and hands to the processed iterator, where the
+#: tag has them (v0.7.0: the first; main: all three; v0.6.0: none)
+LAYOUT_FLAGS = ("delegate_pack_to_model", "delegate_mtp_loss_mask_to_model", "model_slices_context_parallel_inputs")
+
+
 def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size)``, as the Megatron
     worker module names it: a train call begins at its first global batch."""
@@ -81,6 +90,8 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     """``get_microbatch_iterator(data, cfg, mbs, straggler_timer, ...)`` -> ``(iterator, count,
     micro_batch_size, seq_length, padded_seq_length)``: the kept rows' micro-batches and their own count."""
     train = active_train()
+    if train is None:
+        _note_split_step(sys._getframe(1))
     if train is None or not train.filter_on:
         return wrapped(*args, **kwargs)
     from megatron.core import parallel_state
@@ -100,8 +111,33 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     iterator = data_module.make_processed_microbatch_iterator(
         raw_iterator=iter(layout.microbatches), cfg=call["cfg"], seq_length_key=call["seq_length_key"],
         pad_individual_seqs_to_multiple_of=1, pad_packed_seq_to_multiple_of=1, straggler_timer=call["straggler_timer"],
-        pad_full_seq_to=None, delegate_pack_to_model=call["delegate_pack_to_model"])
+        pad_full_seq_to=None, **{name: call[name] for name in LAYOUT_FLAGS if name in call})
     return iterator, len(layout.microbatches), micro_batch_size, seq_length, padded
+
+
+#: main's split train step (``begin_train_step`` / ``train_microbatch`` / ``finish_train_step``, driven by
+#: NeMo-RL's data plane): each call's iterator comes from this method, with no ``process_global_batch``.
+SPLIT_STEP_BODY = "_train_microbatch_body"
+
+
+def _note_split_step(frame: Any) -> None:
+    """A micro-batch of main's split train step runs unfiltered: say so (``"auto"``) or refuse (``True``)."""
+    for _ in range(4):  # the patching layer's trampoline and wrapt's pure-Python fallback add frames
+        if frame is None:
+            return
+        if frame.f_code.co_name == SPLIT_STEP_BODY and frame.f_code.co_filename.endswith(MEGATRON_WORKER_FILE):
+            break
+        frame = frame.f_back
+    else:
+        return
+    options = api.active_options(FRAMEWORK)
+    loss_fn = (frame.f_locals.get("state") or {}).get("loss_fn")
+    if options is None or options.zero_advantage_filter is False or type(loss_fn).__name__ != "ClippedPGLossFn":
+        return
+    refuse_or_note(FRAMEWORK, "zero_advantage_filter",
+                   "the Megatron worker's split train step (begin_train_step / train_microbatch / finish_train_step, "
+                   "NeMo-RL's data plane) is not covered by the zero-advantage filter yet: its micro-batches run "
+                   "unfiltered; train() is covered")
 
 
 def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

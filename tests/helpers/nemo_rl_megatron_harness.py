@@ -24,7 +24,8 @@ that precision on a CPU too (local layers), so the bf16 path is exercised withou
 
 Measured on NeMo-RL v0.7.0, Python 3.12, megatron-core 0.19.2, Megatron-Bridge 0.6.2 (PyPI,
 ``--no-deps``; the import also needs ``nvidia-modelopt``, ``megatron-energon``, ``tensorboard``
-and NeMo-RL's logger packages: compat/README.md has the recipe).
+and NeMo-RL's logger packages: compat/README.md has the recipe); v0.6.0 and main on the
+megatron-core / Megatron-Bridge pair each pins (built from checkouts: compat/README.md).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from typing import Any
 from grpo_patches.testing import skip
 from tests.helpers import megatron_tier
 
-#: Megatron-Bridge modules that import Transformer Engine at module level (Megatron-Bridge 0.6.2).
-BRIDGE_TE_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec")
+#: Megatron-Bridge modules that import Transformer Engine at module level (Megatron-Bridge 0.6.2; ``peft.lora``:
+#: 0.5.0, NeMo-RL v0.6.0's pin).
+BRIDGE_TE_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec",
+                     "megatron.bridge.peft.lora")
 WORKER_MODULE = "nemo_rl.models.policy.workers.megatron_policy_worker"
 VOCAB = 23
 
@@ -156,9 +159,8 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None, tp: int = 1, p
     from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
-    if name != "v0.7.0":  # measured on megatron-core 0.19.2 (compat/README.md, NeMo-RL's Megatron worker)
-        skip(f"not run: NeMo-RL {name}'s Megatron worker does not import on megatron-core 0.19.2 "
-             "(v0.6.0: megatron.training.utils.unwrap_model; main: FullyShardedDataParallelV1)")
+    if name == "v0.5.0":  # v0.6.0+ measured (compat/README.md, NeMo-RL's Megatron worker)
+        skip("not run: NeMo-RL v0.5.0's Megatron worker was not run")
     if importlib.util.find_spec("megatron.bridge") is None:
         skip("not run: no Megatron-Bridge on the path (compat/README.md, NeMo-RL's Megatron worker)")
     os.environ.setdefault("NRL_SKIP_CONTAINER_FINGERPRINT_CHECK", "1")
@@ -287,6 +289,11 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
     worker._first_train_step_param_sync_func = None
     worker._router_replay_enabled = False
     worker.rank = 0
+    if hasattr(worker_module, "Timer"):  # main's __init__ also sets these (read by train / get_logprobs)
+        worker.timer = worker_module.Timer(context={"worker": "megatron_policy", "rank": 0})
+        worker.media_placeholder_token_id = None
+        worker.delegate_mtp_loss_mask_to_model = False
+        worker.model_slices_context_parallel_inputs = False
     return worker
 
 
