@@ -219,3 +219,51 @@ def test_tiled_true_refuses_tensor_parallel_and_auto_notes_it(workers, fused_wor
     got = workers[False].run({**TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
     notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
     assert "tensor_model_parallel_size=2" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
+
+
+# --- two processes: tensor parallel 2, pipeline parallel 2, data parallel 2 ----------------------
+
+TOPOLOGIES = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict()}
+MULTI = [("token-mean", False, 2, "interleaved"), ("seq-mean-token-mean", True, 1, "grouped"),
+         ("seq-mean-token-sum-norm", False, 1, "grouped")]
+
+
+def _two_process_worker(rank: int, port: int, out_dir: str, model_path: str, topology: str) -> None:
+    torch.set_num_threads(1)
+    mh.setup(rank, 2, port)
+    shape = TOPOLOGIES[topology]
+    dp = 2 if topology == "dp2" else 1
+    workers = {d: mh.MegatronWorker(model_path, dynamic=d, **shape) for d in (False, True)}
+    noise = h.max_rel(workers[True].run(None), workers[False].run(None)) if mh.GPU else 0.0  # bf16: re-batching
+    results = []
+    for agg, dynamic, n_mini, zero in MULTI:
+        kw = dict(agg=agg, n_mini=n_mini, zero=zero, dp_rank=rank if dp == 2 else 0, dp=dp)
+        ref = workers[dynamic].run(None, **kw)
+        got = workers[dynamic].run(FILTER, **kw)
+        results.append({"config": [agg, dynamic, n_mini, zero], "err": h.max_rel(got, ref), "steps": len(got.grads),
+                        "forwards": got.forwards, "ref_forwards": ref.forwards, "grad_rows": got.grad_rows,
+                        "ref_grad_rows": ref.grad_rows, "tol": max(TOL, 2 * noise)})
+    with open(os.path.join(out_dir, f"{topology}-rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def two_process_results(request, tmp_path_factory):
+    if mh.GPU and torch.cuda.device_count() < 2:
+        pytest.skip("not run: two processes need two GPUs on the gpu tier")
+    out = tmp_path_factory.mktemp(f"verl_megatron_{request.param}")
+    path = mh.model_dir(str(out))
+    mp.spawn(_two_process_worker, args=(h.free_port(), str(out), path, request.param), nprocs=2, join=True)
+    return request.param, [json.loads((out / f"{request.param}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_processes_exact_with_identical_schedules(two_process_results, record_property):
+    topology, (rank0, rank1) = two_process_results
+    for a, b in zip(rank0, rank1):
+        assert a["err"] <= a["tol"] and b["err"] <= b["tol"], (topology, a, b)
+        # every stage / TP rank / DP rank runs the same micro-batches (a pipeline schedule hangs otherwise)
+        assert a["steps"] == b["steps"] and a["forwards"] == b["forwards"], (topology, a, b)
+        assert a["forwards"] < a["ref_forwards"] and a["grad_rows"] < a["ref_grad_rows"], (topology, a)
+    record_property(f"exact_megatron_filter_grad_rel_{topology}", max(r["err"] for r in rank0 + rank1))
+    record_property(f"saved_megatron_autograd_rows_{topology}", rank0[0]["ref_grad_rows"] - rank0[0]["grad_rows"])
