@@ -8,6 +8,11 @@ parallel 2, pipeline parallel 2 (the 1F1B schedule) and data parallel 2 (two spa
 each), plus Megatron's per-token loss (``calculate_per_token_loss``). Counted: rows through the
 model with autograd (16 -> 8 per rank). A planted fault (the naive filter: the kept rows' loss
 renormalised by the kept tokens) fails the same comparison.
+
+The tiled loss (tensor parallel 1, ``use_fused_kernels=True``): its answer to verl's fused forward's
+``linear_cross_entropy`` call against verl's own unfused Megatron loss (verl's Triton kernel cannot
+run on a CPU), per-step gradients <= 1e-6, every training micro-batch counted, the output layer's
+projection never run; a wrong temperature or token weight fails; tensor parallel 2 refused / noted.
 """
 
 from __future__ import annotations
@@ -141,8 +146,79 @@ def test_auto_notes_what_megatron_does_not_cover(workers):
     got = workers[False].run({"zero_advantage_filter": "auto", "dropped_rows_metrics": True, "tiled_loss": "auto"})
     notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
     assert "dropped_rows_metrics=True is not available on verl's Megatron engine" in notes
-    assert "Megatron's output layer" in notes  # the tiled loss keeps verl's own loss, and says so
-    assert got.grad_rows == h.ROWS
+    assert "use_fused_kernels=False" in notes  # the tiled loss keeps verl's own loss, and says so
+    assert got.grad_rows == h.ROWS and "tiled_loss_micro_batches" not in got.status["savings"]
+
+
+# --- the tiled loss: verl's fused Megatron forward (TP = 1) answered tile by tile -----------------
+
+TILED = {"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False}
+
+
+@pytest.fixture(scope="module")
+def fused_worker(workers, tmp_path_factory):
+    """A worker on verl's fused Megatron forward (packed sequences). Its Triton kernel cannot run on a
+    CPU: every patched update below runs without it, and the reference is verl's unfused Megatron loss."""
+    return mh.MegatronWorker(mh.model_dir(str(tmp_path_factory.mktemp("verl_megatron_fused"))), fused=True)
+
+
+@pytest.mark.parametrize("agg,n_mini,entropy", [("token-mean", 1, False), ("seq-mean-token-sum", 2, True),
+                                                ("seq-mean-token-mean", 1, False),
+                                                ("seq-mean-token-sum-norm", 2, False)])
+def test_tiled_loss_matches_verls_megatron_loss(workers, fused_worker, tolerance, agg, n_mini, entropy,
+                                                record_property):
+    """Per-step gradients equal to verl's own (unfused) Megatron loss; every training micro-batch through the
+    tiled loss; the output layer's [tokens, vocab] projection never runs in the tiled update."""
+    extra = dict(entropy_coeff=0.01, calculate_entropy=True) if entropy else {}
+    ref = workers[False].run(None, agg=agg, n_mini=n_mini, **extra)
+    got = fused_worker.run(TILED, agg=agg, n_mini=n_mini, **extra)
+    err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
+    record_property("exact_megatron_tiled_grad_rel", err)
+    assert err <= tolerance, (agg, n_mini, err)
+    assert ref.projections == ref.forwards > 0 and got.projections == 0, (ref.projections, got.projections)
+    assert got.status["savings"]["tiled_loss_micro_batches"] == got.forwards == ref.forwards
+    assert sum(got.metrics["actor/pg_loss"]) == pytest.approx(sum(ref.metrics["actor/pg_loss"]), rel=1e-5, abs=1e-7)
+    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
+    assert "tile by tile" in notes
+
+
+@pytest.mark.parametrize("fault", ["temperature", "token_weights"])
+def test_a_planted_tiled_fault_fails_the_comparison(workers, fused_worker, fault, monkeypatch, record_property):
+    """A wrong temperature or a wrong token weight in the tiled loss is caught by the same comparison."""
+    from grpo_patches.adapters.verl import tiled
+
+    if fault == "temperature":
+        compute = tiled.compute
+        monkeypatch.setattr(tiled, "compute", lambda call, hidden, weight, labels, t: compute(call, hidden, weight,
+                                                                                              labels, t * 1.25))
+    else:
+        weights = tiled.token_weights
+        monkeypatch.setattr(tiled, "token_weights", lambda mask, mode, info: weights(mask, mode, info) * 1.01)
+    ref = workers[False].run(None)
+    try:
+        got = fused_worker.run(TILED)
+    except RuntimeError as error:  # verl's loss saw other token weights than the tiled loss used: also caught
+        record_property(f"fault_tiled_{fault}", str(error)[:80])
+        assert "loss aggregation" in str(error)
+        return
+    err = h.max_rel(got, ref)
+    record_property(f"fault_tiled_{fault}_grad_rel", err)
+    assert err > 1e-3, err
+
+
+def test_tiled_true_refuses_tensor_parallel_and_auto_notes_it(workers, fused_worker, monkeypatch):
+    """TP > 1 splits the vocabulary: ``True`` raises before any micro-batch, ``"auto"`` keeps verl's loss with
+    the reason (the decision reads the engine's settings: TP 2 is set on the TP = 1 workers' configs)."""
+    for worker in (fused_worker, workers[False]):
+        monkeypatch.setitem(vars(worker.engine.engine_config), "tensor_model_parallel_size", 2)  # a frozen config
+    from grpo_patches.errors import IncompatibleOptionsError
+
+    with pytest.raises(IncompatibleOptionsError, match="tensor_model_parallel_size=2") as raised:
+        fused_worker.run(TILED)
+    assert fused_worker.current is None and "splits the vocabulary" in str(raised.value)
+    got = workers[False].run({**TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
+    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
+    assert "tensor_model_parallel_size=2" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
 
 
 # --- two processes: tensor parallel 2, pipeline parallel 2, data parallel 2 ----------------------

@@ -28,8 +28,9 @@ the line whose internals it wraps. Records on one attribute stack in table order
   :mod:`.old_logprob_rows_v1`.
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
-  :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine a note
-  (:mod:`.tiled_megatron`).
+  :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine
+  (:mod:`.tiled_megatron`) its fused forward's ``linear_cross_entropy`` call with tensor parallel 1 (a note
+  otherwise), on the legacy Megatron actor a note.
 - verify mode (``verify_every``; :mod:`.verify`, :mod:`.verify_engine`, :mod:`.verify_legacy`): the
   FSDP engine's and the legacy actor's updates checked against verl's own on chosen steps (every
   other record passes through for it: :mod:`.bypass`); the Megatron engine is not covered (an
@@ -66,6 +67,7 @@ ENGINE_WORKERS = "verl.workers.engine_workers"
 MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 MEGATRON_ACTOR = "verl.workers.actor.megatron_actor"  # the legacy Megatron worker's actor (0.6.1-0.7.x)
 MEGATRON_WORKERS = "verl.workers.megatron_workers"
+MCORE_FUSED = "verl.models.mcore.model_forward_fused"  # binds linear_cross_entropy (the fused Megatron forward)
 #: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes the role mapping
 #: that ``TaskRunner.add_ref_policy_worker`` fills: that method is wrapped instead).
 _NEED_REFERENCE = (
@@ -188,6 +190,12 @@ PATCHES = bypassable((
                 f"{_HERE}.old_logprobs_engine:forward_step", versions=ENGINE_OLD_SKIP, option="logprob_skip"),
     PatchTarget(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch",
                 f"{_HERE}.tiled_megatron:forward_backward_batch", versions=ENGINE, option="tiled_loss"),
+    # tiled loss on the Megatron engine (TP = 1, fused kernels): the micro-batch's call around the
+    # schedule's forward and loss, and the fused forward's kernel call answered tile by tile
+    PatchTarget(MEGATRON_ENGINE, "MegatronEngineWithLMHead.forward_step", f"{_HERE}.tiled_megatron:forward_step",
+                versions=ENGINE, option="tiled_loss"),
+    PatchTarget(MCORE_FUSED, "linear_cross_entropy", f"{_HERE}.tiled_megatron:linear_cross_entropy",
+                versions=ENGINE, option="tiled_loss"),
     # tiled loss: outside the filter on update_policy (verl's on-policy rule counts the unfiltered mini-batches)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
                 versions=LEGACY, option="tiled_loss"),

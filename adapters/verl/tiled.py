@@ -185,7 +185,7 @@ def fused_linear_forward(wrapped: Callable[..., Any], instance: Any, args: tuple
     if call is None or call.loss is not None or call.declined or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
     hidden, weight, input_ids, temperature = _bind_fused(*args, **kwargs)
-    out = _compute(call, hidden, weight, input_ids, float(temperature))
+    out = compute(call, hidden, weight, input_ids, float(temperature))
     if out is None:
         return wrapped(*args, **kwargs)
     return out
@@ -213,7 +213,7 @@ def _loss_options(call: TiledCall, temperature: float) -> dict:
     return options
 
 
-def _compute(call: TiledCall, hidden: Any, weight: Any, input_ids: Any, temperature: float) -> Any:
+def compute(call: TiledCall, hidden: Any, weight: Any, input_ids: Any, temperature: float) -> Any:
     import torch
 
     from grpo_patches.plugins import hook

@@ -63,8 +63,6 @@ def _positions(micro: Any) -> Callable[[tuple], Any]:
 def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)``."""
     from .engine_calls import actor_config_of
-    from .filter_engine import batch_num_tokens_of
-    from .filter_engine_nograd import kept_rows_of
 
     micro, loss_function, forward_only = _bind(*args, **kwargs)
     config = actor_config_of(loss_function)
@@ -72,35 +70,53 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         return wrapped(*args, **kwargs)
     if not tiled.decide(instance, problems(instance, config, micro)):
         return wrapped(*args, **kwargs)
+    call = training_call(instance, config, micro)
+    if call is None:
+        return wrapped(*args, **kwargs)
+    token = tiled.activate(call)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        tiled.reset(token)
+        count(call)
+
+
+def training_call(instance: Any, config: Any, micro: Any,
+                  positions: Callable[[tuple], Any] | None = None) -> tiled.TiledCall | None:
+    """The :class:`~.tiled.TiledCall` of one training micro-batch of the engine line (FSDP or Megatron:
+    the same ``ppo_loss`` on the same nested micro-batch); ``None``: verl's own loss (declined, noted).
+    ``positions``: the engine's hidden-state layout, if not FSDP's (:func:`_positions`)."""
     from verl.utils import tensordict_utils as tu
+
+    from .filter_engine import batch_num_tokens_of
+    from .filter_engine_nograd import kept_rows_of
+    from .old_logprobs_engine import active as on_policy_update
 
     if has_multimodal_inputs(micro.get("multi_modal_inputs", None) if "multi_modal_inputs" in micro.keys() else None):
         tiled.decline(instance, "multimodal inputs (not tested with the tiled loss)")
-        return wrapped(*args, **kwargs)
+        return None
     full, rows = kept_rows_of(micro)  # dropped_rows_metrics: this forward holds some rows of ``full``
     padded_full = _padded_inputs(full)
     info = {"dp_size": full["dp_size"], "batch_num_tokens": batch_num_tokens_of(full),
             "global_batch_size": full["global_batch_size"], "loss_scale_factor": config.loss_scale_factor}
     mask_full = padded_full["response_mask"].to(bool)
     padded = _padded_inputs(micro)
-    from .old_logprobs_engine import active as on_policy_update
 
     def inputs() -> dict:
         return {"response_mask": padded["response_mask"], "advantages": padded["advantages"],
                 "old_log_probs": None if on_policy_update() is not None else padded["old_log_probs"],
                 "rollout_is_weights": padded.get("rollout_is_weights"), "ref_log_prob": padded.get("ref_log_prob")}
 
-    call = tiled.TiledCall(
-        owner=instance, config=config, inputs=inputs, positions=_positions(micro),
+    return tiled.TiledCall(
+        owner=instance, config=config, inputs=inputs, positions=positions or _positions(micro),
         weights=tiled.token_weights(mask_full, config.loss_agg_mode, info), loss_agg_mode=config.loss_agg_mode,
         info=info, calculate_entropy=bool(tu.get_non_tensor_data(data=micro, key="calculate_entropy", default=False)),
         responses=padded.get("responses"), rows=rows)
-    token = tiled.activate(call)
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        tiled.reset(token)
-        if call.loss is not None:
-            from . import metrics as verl_metrics
 
-            verl_metrics.report(None, tiled_loss_micro_batches=1)
+
+def count(call: tiled.TiledCall) -> None:
+    """Count the micro-batch in status() and verl's metrics if its loss was the tiled one."""
+    if call.loss is not None:
+        from . import metrics as verl_metrics
+
+        verl_metrics.report(None, tiled_loss_micro_batches=1)

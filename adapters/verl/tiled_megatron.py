@@ -1,35 +1,168 @@
-"""The tiled lm-head loss on verl's Megatron backends: not applied yet, never silently (the engine,
-0.8.0+, and the legacy ``MegatronPPOActor``, 0.6.1-0.7.x).
+"""The tiled lm-head loss on verl's Megatron engine (0.8.0+; :mod:`.tiled`), and the legacy
+``MegatronPPOActor``'s note (0.6.1-0.7.x).
 
-verl's Megatron engine computes log-probs from Megatron's own output layer (vocabulary-parallel
-logits under tensor parallelism, ``patch_fused_forward`` for its fused kernels), a path the
-tiled loss does not answer yet. ``tiled_loss="auto"`` keeps verl's own loss and says so in
-``status()`` (per engine); ``tiled_loss=True`` raises one clear error before the first update.
+With ``model.use_fused_kernels=True`` verl's Megatron engine runs ``fused_forward_model_engine``:
+the micro-batch packed (THD, ``preprocess_thd_engine``), and at the last pipeline stage one call
+``linear_cross_entropy(hidden [tokens, 1, H], output weight, rolled labels, temperature, "none",
+tp_group)`` (``verl.models.mcore.model_forward_fused``: Megatron's output-processor hook, or verl's
+patched ``GPTModel.forward`` before megatron-core 0.18) in place of the output layer's projection.
+With tensor parallel 1 that weight is the whole vocabulary, as with FSDP, so the tiled loss answers
+that call:
+
+1. :func:`forward_step` (wrapping ``MegatronEngineWithLMHead.forward_step``, which Megatron's
+   schedule calls per micro-batch) takes the micro-batch from the iterator, describes it in a
+   :class:`~.tiled.TiledCall` (:func:`.tiled_engine.training_call`: the same ``ppo_loss`` on the
+   same nested micro-batch as the FSDP engine) and keeps it active for the forward and for the
+   loss function the schedule calls afterwards (the returned ``postprocess_micro_batch_func``);
+2. :func:`linear_cross_entropy` computes the loss tile by tile from the response tokens' hidden
+   states (packed position = nested index: no per-sequence padding with TP = CP = 1) and returns
+   detached log-probs / entropies in the kernel's ``[tokens]`` layout;
+3. :mod:`.tiled_policy_loss` hands verl's loss the tiled gradient with verl's value.
+
+Tensor parallelism (the vocabulary split over ranks), context parallelism, pipeline parallelism
+(untested), fp8 (padded packing), a vision model, or no fused kernels: ``"auto"`` keeps verl's own
+loss with the reason in ``status()``; ``tiled_loss=True`` raises before the first update.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from . import tiled
 from .engine_calls import actor_config_of, forward_backward_arguments
 
 
-def reason(engine: Any, what: str = "verl's Megatron engine") -> str:
+def problems(engine: Any, config: Any) -> list[str]:
+    """The settings of ``engine`` (a ``MegatronEngine``) and ``config`` (the actor's) the tiled loss
+    cannot reproduce yet, each with its fix."""
+    found = tiled.config_problems(config, fused=True, backend=None, sp=1)  # the loss itself
+    settings = engine.engine_config
+    tp = int(getattr(settings, "tensor_model_parallel_size", 1) or 1)
+    if tp > 1:
+        found.append(f"tensor_model_parallel_size={tp} (tensor parallelism splits the vocabulary over ranks; the "
+                     "tiled loss does not compute vocabulary-parallel log-probs yet: use 1)")
+    if not getattr(settings, "use_fused_kernels", False):
+        found.append("actor_rollout_ref.model.use_fused_kernels=False (the tiled loss answers verl's fused Megatron "
+                     "forward: set use_fused_kernels=True with use_remove_padding=True; verl turns fused kernels off "
+                     "without remove-padding and with MTP)")
+    for name, why in (("context_parallel_size", "each rank holds part of every sequence"),
+                      ("pipeline_model_parallel_size", "the last pipeline stage is not tested with the tiled loss")):
+        size = int(getattr(settings, name, 1) or 1)
+        if size > 1:
+            found.append(f"{name}={size} ({why}; use 1)")
+    if getattr(settings, "dynamic_context_parallel", False):
+        found.append("dynamic_context_parallel=True (sequences split over ranks; use False)")
+    if getattr(settings, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
+        found.append("virtual_pipeline_model_parallel_size (not tested with the tiled loss; use None)")
+    if getattr(getattr(engine, "tf_config", None), "fp8", None):
+        found.append("fp8 (verl pads each packed sequence; the tiled loss is not tested there)")
+    if hasattr(getattr(getattr(engine, "model_config", None), "hf_config", None), "vision_config"):
+        found.append("a vision-language model (not tested with the tiled loss)")
+    return found
+
+
+def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: decides (once per engine) before the
+    schedule runs, so that ``tiled_loss=True`` refuses before any micro-batch."""
+    _, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    config = actor_config_of(loss_function)
+    if instance is not None and not forward_only and config is not None and tiled.enabled():
+        tiled.decide(instance, problems(instance, config))  # refuse-or-note
+    return wrapped(*args, **kwargs)
+
+
+def _bind_step(batch_iter: Any, model: Any, logits_processor_func: Any = None,
+               postprocess_micro_batch_func: Any = None) -> tuple:
+    return batch_iter, logits_processor_func, postprocess_micro_batch_func
+
+
+def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``MegatronEngineWithLMHead.forward_step(batch_iter, model, logits_processor_func,
+    postprocess_micro_batch_func)``: one training micro-batch through the tiled loss."""
+    from . import tiled_engine
+
+    batch_iter, loss_function, postprocess = _bind_step(*args, **kwargs)
+    config = actor_config_of(loss_function)
+    forward_only = (getattr(postprocess, "keywords", None) or {}).get("forward_only", True)
+    if instance is None or forward_only or config is None or not tiled.enabled():
+        return wrapped(*args, **kwargs)
+    if not tiled.decide(instance, problems(instance, config)):
+        return wrapped(*args, **kwargs)
+    micro = next(batch_iter)
+    if args:
+        args = (iter([micro]),) + tuple(args[1:])
+    else:
+        kwargs = {**kwargs, "batch_iter": iter([micro])}
+    call = tiled_engine.training_call(instance, config, micro, positions=_positions(micro))
+    if call is None:
+        return wrapped(*args, **kwargs)
+    token = tiled.activate(call)
+    try:
+        output, post = wrapped(*args, **kwargs)
+    finally:
+        tiled.reset(token)
+    return output, functools.partial(_loss_with_call, call, post)
+
+
+def _loss_with_call(call: tiled.TiledCall, post: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The schedule's loss call (``postprocess_micro_batch_func``, last stage) with the micro-batch's call active."""
+    from .tiled_engine import count
+
+    token = tiled.activate(call)
+    try:
+        return post(*args, **kwargs)
+    finally:
+        tiled.reset(token)
+        count(call)
+
+
+def _positions(micro: Any) -> Callable[[tuple], Any]:
+    """Each response token's index in Megatron's ``[tokens, 1]`` packed hidden states: the packed
+    (``[1, tokens]``) layout of the FSDP engine, transposed (TP = CP = 1: no per-sequence padding)."""
+    from .tiled_engine import _positions as packed_positions
+
+    packed = packed_positions(micro)
+
+    def positions(shape: tuple) -> Any:
+        if len(shape) == 2 and shape[1] == 1:
+            return packed((1, shape[0]))
+        return None
+
+    return positions
+
+
+def _bind_kernel(hidden: Any, weight: Any, labels: Any, temperature: float = 1.0, reduction: str = "none",
+                 dist_process_group: Any = None) -> tuple:
+    return hidden, weight, labels, temperature, reduction, dist_process_group
+
+
+def linear_cross_entropy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, tp_group)`` as
+    bound in ``verl.models.mcore.model_forward_fused``: the active training micro-batch's tiled loss."""
+    import torch
+
+    call = tiled.current()
+    if call is None or call.loss is not None or call.declined or not torch.is_grad_enabled():
+        return wrapped(*args, **kwargs)
+    hidden, weight, labels, temperature, reduction, group = _bind_kernel(*args, **kwargs)
+    if reduction != "none" or (group is not None and torch.distributed.get_world_size(group) > 1):
+        call.declined = "the fused kernel was called with a vocabulary split over ranks or a reduction"
+        return wrapped(*args, **kwargs)
+    out = tiled.compute(call, hidden, weight, labels, float(temperature))
+    if out is None:
+        return wrapped(*args, **kwargs)
+    log_probs, entropy = out
+    return log_probs.reshape(-1), entropy.reshape(-1)  # the kernel's layout: one value per packed token
+
+
+def reason(engine: Any, what: str) -> str:
     """Why the tiled loss does not apply (``engine``: anything with the Megatron settings as ``engine_config``)."""
     tp = int(getattr(engine.engine_config, "tensor_model_parallel_size", 1) or 1)
     if tp > 1:
         return (f"{what} with tensor parallelism ({tp}) splits the vocabulary over ranks; the tiled "
                 "loss does not compute vocabulary-parallel log-probs yet")
     return f"{what} computes log-probs through Megatron's output layer, which the tiled loss does not answer yet"
-
-
-def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: decides (once per engine) and notes."""
-    _, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
-    if instance is not None and not forward_only and actor_config_of(loss_function) is not None and tiled.enabled():
-        tiled.decide(instance, [reason(instance)])  # refuse-or-note
-    return wrapped(*args, **kwargs)
 
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -103,12 +103,14 @@ class MegatronWorker:
     """One ``TrainingWorker`` on verl's Megatron engine, reused across runs (weights reset before each)."""
 
     def __init__(self, path: str, *, tp: int = 1, pp: int = 1, dynamic: bool = False, mbs: int = 2,
-                 max_tokens: int = 40, dtype: str = DTYPE, per_token: bool = False):
+                 max_tokens: int = 40, dtype: str = DTYPE, per_token: bool = False, fused: bool = False):
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig, TrainingWorkerConfig
         from verl.workers.engine_workers import TrainingWorker
 
-        model = HFModelConfig(path=path, use_remove_padding=False,
+        # fused: verl's fused Megatron forward (packed THD sequences: the shim's block-diagonal attention);
+        # its Triton kernel cannot run on a CPU, so only the tiled loss's answer to its call runs there
+        model = HFModelConfig(path=path, use_remove_padding=fused, use_fused_kernels=fused,
                               enable_gradient_checkpointing=False)
         # mbridge turns sequence parallelism on with TP > 1; megatron-core's local norms refuse it
         override = {"attention_dropout": 0.0, "hidden_dropout": 0.0, "sequence_parallel": GPU and tp > 1}
@@ -140,6 +142,9 @@ class MegatronWorker:
         self.current: h.Run | None = None
         for chunk in self.engine.module:
             chunk.register_forward_pre_hook(self._count, with_kwargs=True)
+            for name, layer in chunk.named_modules():
+                if name.endswith("output_layer"):  # the [tokens, vocab] projection
+                    layer.register_forward_hook(self._count_projection)
         step = self.engine.optimizer_step
 
         def recording_step() -> Any:
@@ -161,6 +166,10 @@ class MegatronWorker:
             self.current.grad_rows += int(ids.shape[0])
         else:
             self.current.nograd_rows += int(ids.shape[0])
+
+    def _count_projection(self, module: Any, args: tuple, output: Any) -> None:
+        if self.current is not None and torch.is_grad_enabled():
+            self.current.projections += 1
 
     def reset_weights(self) -> None:
         for chunk, state in zip(self.engine.module, self.initial):
@@ -196,6 +205,7 @@ class MegatronWorker:
         if options != "as is":
             h.patches(options)
         self.current = run = h.Run()
+        run.projections = 0  # the output layer's [tokens, vocab] projections with autograd
         try:
             out = self.worker.train_mini_batch(td)
             run.status = h.verl_status()
