@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg, line,
+from grpo_patches.testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg,
                                                   make_batch, model_dir, patches, rank_rows, trainer_config,
                                                   verl_status)
 
