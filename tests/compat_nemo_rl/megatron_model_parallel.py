@@ -6,7 +6,7 @@ micro-batch is short). Each rank trains unpatched, patched, and patched with the
 filter: each global batch's loss renormalised by its kept tokens and rows), each from the same weights, and
 runs ``get_logprobs`` unpatched and patched; it reports its gradient shard's differences, the rows and
 micro-batches it forwarded (and their token sums: the plan), and the log-probs' equality. In bf16 (the gpu
-tier, one GPU a rank, or ``GRPO_PATCHES_MEGATRON_BF16=1`` on a CPU) it also trains unpatched with 3 rows a
+tier, one GPU a rank, or ``GRPO_PATCHES_MEGATRON_BF16=1`` on a CPU) it also trains unpatched with 6 rows a
 micro-batch instead of 2 and reports its tolerance: twice what that re-batching moves (the noise floor).
 ``GRPO_PATCHES_PLANTED_FAULT=renormalise`` runs the patched run with the fault too (the test must fail).
 :func:`run_rank` is the spawned target (:func:`tests.compat_nemo_rl.megatron_dp2.run_ranks` runs both).
@@ -90,7 +90,9 @@ def _train(rank: int, port: int, topology: str) -> dict:
         return harness.real_worker(gbs=12, mbs=4).get_logprobs(data=batched(batch))["logprobs"]
 
     base, base_logprobs = train(), logprobs()
-    rebatched = train(mbs=3) if megatron_tier.BF16 else None  # bf16: re-batching the same rows moves the gradient
+    # bf16: re-batching the same rows moves the gradient; each global batch in one micro-batch (at PP 2 on a CPU,
+    # 3 rows a micro-batch instead of 2 happens to move nothing: a floor of 0 would measure nothing)
+    rebatched = train(mbs=6) if megatron_tier.BF16 else None
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True)
     patched = train(fault=os.environ.get("GRPO_PATCHES_PLANTED_FAULT") == "renormalise")
     faulty = train(fault=True)

@@ -12,8 +12,8 @@ unchanged; the planted renormalising filter is caught on every rank. Skips witho
 
 In bf16 (:mod:`tests.helpers.megatron_tier`: the gpu tier, NCCL with one GPU a rank, skipped on fewer than two
 GPUs; or ``GRPO_PATCHES_MEGATRON_BF16=1`` on a CPU) each rank compares with its noise floor: twice what
-re-batching the same rows (3 a micro-batch instead of 2) moves unpatched, gradient and loss sum; the planted
-fault must land above both the floor and 1e-2.
+re-batching the same rows (6 a micro-batch, each global batch in one, instead of 2) moves unpatched, gradient
+and loss sum; the planted fault must land above both the floor and 1e-2.
 """
 
 from __future__ import annotations
