@@ -39,7 +39,7 @@ def _padded_inputs(micro: Any) -> dict:
     return dict(micro.select(*present).to_padded_tensor().items())
 
 
-def _positions(micro: Any) -> Callable[[tuple], Any]:
+def packed_positions(micro: Any) -> Callable[[tuple], Any]:
     import torch
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -85,7 +85,7 @@ def training_call(instance: Any, config: Any, micro: Any,
                   positions: Callable[[tuple], Any] | None = None) -> tiled.TiledCall | None:
     """The :class:`~.tiled.TiledCall` of one training micro-batch of the engine line (FSDP or Megatron:
     the same ``ppo_loss`` on the same nested micro-batch); ``None``: verl's own loss (declined, noted).
-    ``positions``: the engine's hidden-state layout, if not FSDP's (:func:`_positions`)."""
+    ``positions``: the engine's hidden-state layout, if not FSDP's (:func:`packed_positions`)."""
     from verl.utils import tensordict_utils as tu
 
     from .filter_engine import batch_num_tokens_of
@@ -108,7 +108,7 @@ def training_call(instance: Any, config: Any, micro: Any,
                 "rollout_is_weights": padded.get("rollout_is_weights"), "ref_log_prob": padded.get("ref_log_prob")}
 
     return tiled.TiledCall(
-        owner=instance, config=config, inputs=inputs, positions=positions or _positions(micro),
+        owner=instance, config=config, inputs=inputs, positions=positions or packed_positions(micro),
         weights=tiled.token_weights(mask_full, config.loss_agg_mode, info), loss_agg_mode=config.loss_agg_mode,
         info=info, calculate_entropy=bool(tu.get_non_tensor_data(data=micro, key="calculate_entropy", default=False)),
         responses=padded.get("responses"), rows=rows)

@@ -120,7 +120,7 @@ def _loss_with_call(call: tiled.TiledCall, post: Callable[..., Any], *args: Any,
 def _positions(micro: Any) -> Callable[[tuple], Any]:
     """Each response token's index in Megatron's ``[tokens, 1]`` packed hidden states: the packed
     (``[1, tokens]``) layout of the FSDP engine, transposed (TP = CP = 1: no per-sequence padding)."""
-    from .tiled_engine import _positions as packed_positions
+    from .tiled_engine import packed_positions
 
     packed = packed_positions(micro)
 

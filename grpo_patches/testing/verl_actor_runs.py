@@ -39,17 +39,6 @@ def line() -> str | None:
     return line_of(Version(VERL))
 
 
-def setup_process() -> None:
-    """The gloo group (legacy) or the engine's setup (CPU platform + gloo group), once per process."""
-    torch.set_num_threads(2)
-    if line().startswith("legacy"):
-        init_pg()
-    else:
-        from grpo_patches.testing.verl_engine_runs import engine_setup
-
-        engine_setup()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

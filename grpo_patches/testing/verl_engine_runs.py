@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg,
+from grpo_patches.testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg, line,
                                                   make_batch, model_dir, patches, rank_rows, trainer_config,
                                                   verl_status)
 
@@ -18,6 +18,15 @@ def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None
 
     verl_cpu_shim.install()  # before anything asks verl for its platform
     init_pg(rank, world, port)
+
+
+def setup_process() -> None:
+    """The gloo group (legacy) or the engine's setup (CPU platform + gloo group), once per process."""
+    torch.set_num_threads(2)
+    if line().startswith("legacy"):
+        init_pg()
+    else:
+        engine_setup()
 
 
 class EngineWorker:
