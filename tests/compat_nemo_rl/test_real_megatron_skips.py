@@ -92,6 +92,7 @@ def real_policy(worker: Any) -> Any:
     policy.sharding_annotations = type("Axes", (), {"get_axis_size": staticmethod(lambda axis: 1)})()
     policy.use_dynamic_batches = policy.use_sequence_packing = False
     policy.flops_tracker = None
+    policy.debug_payload_metrics = False  # main's __init__ sets it (payload-size metrics off)
     policy.prepare_for_lp_inference = policy.prepare_for_training = lambda *args, **kwargs: None  # GPU memory only
     return policy
 
@@ -283,7 +284,13 @@ def tolerance_two_steps(unpatched_two_steps) -> Tolerance:
 
 @pytest.fixture()
 def workers_reached(monkeypatch, tmp_path):
-    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver."""
+    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver. The cut pass
+    with the Megatron worker is covered on v0.7.x only (other tags: every row, the reason in ``status()``)."""
+    from grpo_patches.testing.nemo_rl_cpu import tag
+
+    if tag() != "v0.7.0":
+        pytest.skip(f"not run: the row-subset pass with NeMo-RL {tag()}'s Megatron worker is not covered "
+                    "(prev_rows: every row, the reason in status())")
     monkeypatch.setenv("GRPO_PATCHES", "nemo_rl")
     monkeypatch.setenv("GRPO_PATCHES_STARTUP_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
