@@ -128,8 +128,8 @@ def _loss_with_call(update: Update, call: tiled.TiledCall, loss: Callable[..., A
 
 def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:
     """One training micro-batch (verl's ``TensorDict``, padded ``[B, S]`` rows) of the legacy Megatron actor."""
-    from .old_logprobs_megatron_legacy import _SUBSTITUTE
-    from .tiled_legacy import _positions as padded_positions
+    from .old_logprobs_megatron_legacy import substituting
+    from .tiled_legacy import response_positions
 
     if "multi_modal_inputs" in micro.keys():
         tiled.decline(actor, "multimodal inputs (not tested with the tiled loss)")
@@ -137,7 +137,7 @@ def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:
     config = actor.config
     info = tiled.global_batch_info(config)
     mask = micro["response_mask"].to(bool)  # as verl's loss_func
-    substituted = _SUBSTITUTE.get()  # the old-logprob skip: verl's loss gets the detached current log-probs
+    substituted = substituting()  # the old-logprob skip: verl's loss gets the detached current log-probs
 
     def inputs() -> dict:
         return {"response_mask": mask, "advantages": micro["advantages"],
@@ -146,7 +146,7 @@ def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:
                 "ref_log_prob": micro.get("ref_log_prob", None)}
 
     return tiled.TiledCall(
-        owner=actor, config=config, inputs=inputs, positions=_positions(padded_positions(micro)),
+        owner=actor, config=config, inputs=inputs, positions=_positions(response_positions(micro)),
         weights=tiled.token_weights(mask, config.loss_agg_mode, info), loss_agg_mode=config.loss_agg_mode,
         info=info, calculate_entropy=bool(config.entropy_coeff != 0),  # update_policy's rule
         responses=micro["responses"])
