@@ -60,3 +60,8 @@ def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, 
         return fn(*a, **kw)
 
     return substituted
+
+
+def substituting() -> bool:
+    """Whether this update's policy loss gets the detached current log-probs as the old ones."""
+    return _SUBSTITUTE.get()

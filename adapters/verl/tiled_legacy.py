@@ -122,3 +122,8 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
     tiled_policy_loss.leave(call)
     update.calls += call.loss is not None
     return out
+
+
+def response_positions(micro: dict) -> Callable[[tuple], Any]:
+    """Each response token's hidden-state index in the padded or unpadded layout (the Megatron legacy actor's too)."""
+    return _positions(micro)

@@ -1,5 +1,5 @@
-"""The tiled lm-head loss on verl's Megatron engine (0.8.0+; :mod:`.tiled`), and the legacy
-``MegatronPPOActor``'s note (0.6.1-0.7.x).
+"""The tiled lm-head loss on verl's Megatron engine (0.8.0+; :mod:`.tiled`), the fused kernel's answer
+shared with the 0.7.x legacy ``MegatronPPOActor`` (:mod:`.tiled_megatron_legacy`), and 0.6.1's legacy note.
 
 With ``model.use_fused_kernels=True`` verl's Megatron engine runs ``fused_forward_model_engine``:
 the micro-batch packed (THD, ``preprocess_thd_engine``), and at the last pipeline stage one call
@@ -166,7 +166,7 @@ def reason(engine: Any, what: str) -> str:
 
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the legacy ``MegatronPPOActor.update_policy``: decides (once per actor) and notes."""
+    """wrapt wrapper of 0.6.1's legacy ``MegatronPPOActor.update_policy`` (untested there): decides, notes."""
     if instance is not None and getattr(instance, "actor_optimizer", None) is not None and tiled.enabled():
         import types
 

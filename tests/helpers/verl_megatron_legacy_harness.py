@@ -79,14 +79,18 @@ def _fp32_engine_config() -> None:
     McoreEngineConfig.__post_init__ = post_init
 
 
-def worker_config(path: str, *, tp: int, pp: int, dp: int, mbs: int, max_tokens: int, per_token: bool) -> Any:
-    """verl's own Megatron trainer config (``_generated_ppo_megatron_trainer.yaml``), ``actor_rollout_ref``."""
+def worker_config(path: str, *, tp: int, pp: int, dp: int, mbs: int, max_tokens: int, per_token: bool,
+                  fused: bool = False) -> Any:
+    """verl's own Megatron trainer config (``_generated_ppo_megatron_trainer.yaml``), ``actor_rollout_ref``.
+    ``fused``: verl's fused Megatron forward (packed THD sequences: the shim's block-diagonal attention);
+    its Triton kernel cannot run on a CPU, so only the tiled loss's answer to its call runs there."""
     from omegaconf import OmegaConf
     import verl.trainer.config as verl_config
 
     config = OmegaConf.load(os.path.join(os.path.dirname(verl_config.__file__), "_generated_ppo_megatron_trainer.yaml"))
     arr = config.actor_rollout_ref
     arr.model.path = path
+    arr.model.use_fused_kernels = fused
     arr.rollout.n = 1
     arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_max_token_len_per_gpu = 4, max_tokens
     actor = arr.actor
@@ -118,11 +122,11 @@ class LegacyMegatronWorker:
     """One ``ActorRolloutRefWorker(role="actor")``, reused across runs (weights reset before each)."""
 
     def __init__(self, path: str, *, tp: int = 1, pp: int = 1, dp: int = 1, mbs: int = 2, max_tokens: int = 40,
-                 per_token: bool = False):
+                 per_token: bool = False, fused: bool = False):
         from verl.workers.megatron_workers import ActorRolloutRefWorker
 
         self.worker = ActorRolloutRefWorker(worker_config(path, tp=tp, pp=pp, dp=dp, mbs=mbs, max_tokens=max_tokens,
-                                                          per_token=per_token), role="actor")
+                                                          per_token=per_token, fused=fused), role="actor")
         self.worker.init_model()
         self.actor = self.worker.actor
         self.modules = list(self.actor.actor_module)
@@ -130,10 +134,13 @@ class LegacyMegatronWorker:
                         for m in self.modules]
         self.base = {f: getattr(self.actor.config, f) for f in ("loss_agg_mode", "use_dynamic_bsz",
                                                                  "ppo_mini_batch_size", "ppo_epochs", "use_kl_loss",
-                                                                 "kl_loss_coef")}
+                                                                 "kl_loss_coef", "entropy_coeff")}
         self.current: h.Run | None = None
         for module in self.modules:
             module.register_forward_pre_hook(self._count, with_kwargs=True)
+            for name, layer in module.named_modules():
+                if name.endswith("output_layer"):  # the [tokens, vocab] projection
+                    layer.register_forward_hook(self._count_projection)
         optimizer = self.actor.actor_optimizer
         step = optimizer.step
 
@@ -152,6 +159,10 @@ class LegacyMegatronWorker:
         if ids is not None and torch.is_grad_enabled():  # later pipeline stages get no input ids
             # verl 0.6.1 packs a micro-batch's rows into one THD sequence: count the packed rows
             self.current.grad_rows += int(ids.shape[0]) if packed is None else len(packed.cu_seqlens_q) - 1
+
+    def _count_projection(self, module: Any, args: tuple, output: Any) -> None:
+        if self.current is not None and torch.is_grad_enabled():
+            self.current.projections += 1
 
     def configure(self, **fields: Any) -> None:
         """Set actor config fields for the next run (verl's config objects are frozen dataclasses)."""
@@ -179,6 +190,7 @@ class LegacyMegatronWorker:
         if options != "as is":
             h.patches(options)
         self.current = run = h.Run()
+        run.projections = 0  # the output layer's [tokens, vocab] projections with autograd
         try:
             out = self.worker.update_actor(data)
             run.status = h.verl_status()
@@ -226,6 +238,7 @@ def old_pass_then_update(worker: LegacyMegatronWorker, options: dict | None) -> 
                                                          "global_token_num": batch["attention_mask"].sum(-1).tolist()})
     h.patches(options)
     worker.current = run = h.Run()
+    run.projections = 0
     try:
         old, _ = trainer._compute_old_log_prob(data)
         old.batch.pop("entropys", None)
