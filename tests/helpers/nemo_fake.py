@@ -15,7 +15,7 @@ normalisation (global token / sequence counts) and metric names. Per tag:
   ``compute_and_apply_seq_logprob_error_masking`` returns a tuple.
 * v0.7.0: a config object; ``opd._skip_prev_logprobs``; zero placeholders for the
   sequence-level metrics; no reference model at KL 0; the Megatron worker module's names the
-  adapter wraps (signatures only: the real worker runs in the ``v0.7.0-megatron`` compat cell).
+  adapter wraps (signatures only: the real worker runs in the ``*-megatron`` compat cells).
 * main: like v0.7.0, ``package_info`` still says 0.6.0, ``use_fused_linear_logprobs``,
   ``_resolve_logprob_skip_flags`` and ``_placeholder_seq_logprob_error_metrics``.
 """
@@ -236,7 +236,7 @@ def async_grpo_train(*args, **kwargs):
 '''
 
 
-#: v0.7.0's ``megatron_policy_worker`` module, only the names it imports that the adapter wraps.
+#: The ``megatron_policy_worker`` module (v0.6.0+), only the names it imports that the adapter wraps.
 MEGATRON_WORKER = '''
 def process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size):
     raise NotImplementedError("stand-in: the real Megatron worker runs in the compat cell")
@@ -293,7 +293,7 @@ def make_source(root: Path, tag: str) -> Path:
     new_line = tag in ("v0.7.0", "main")
     if new_line:
         _write(pkg / "algorithms" / "opd.py", OPD)
-    if tag == "v0.7.0":
+    if tag != "v0.5.0":  # the adapter wraps the Megatron worker module on v0.6.0+
         _write(pkg / "models" / "policy" / "workers" / "megatron_policy_worker.py", MEGATRON_WORKER)
     _write(pkg / "algorithms" / "grpo.py", GRPO.format(
         tag_module="nemo_rl._tag", loss_import=loss_import,
