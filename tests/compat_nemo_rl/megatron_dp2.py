@@ -38,14 +38,7 @@ def _train(rank: int, port: int) -> dict:
 
     def train(mbs: int = 2) -> tuple[list, dict, int]:
         worker = harness.real_worker(gbs=12, mbs=mbs, dp=2)
-        grads: list = []
-        step = worker.optimizer.step
-
-        def recording_step(*args: Any, **kwargs: Any) -> Any:
-            grads.append(harness.main_grads(worker.model))
-            return step(*args, **kwargs)
-
-        worker.optimizer.step = recording_step
+        grads = harness.record_grads(worker)
         rows = [0]
 
         def count(module: Any, args: tuple, kwargs: dict) -> None:

@@ -66,14 +66,7 @@ def _train(rank: int, port: int, topology: str) -> dict:
 
     def train(fault: bool = False, mbs: int = 2) -> dict:
         worker = harness.real_worker(gbs=6, mbs=mbs)
-        grads: list = []
-        step = worker.optimizer.step
-
-        def recording_step(*args: Any, **kwargs: Any) -> Any:
-            grads.append(harness.main_grads(worker.model))
-            return step(*args, **kwargs)
-
-        worker.optimizer.step = recording_step
+        grads = harness.record_grads(worker)
         forwards: list = []  # (rows, token sum) of each micro-batch through the autograd forward
 
         def count(module: Any, args: tuple, kwargs: dict) -> None:

@@ -78,14 +78,7 @@ def renormalising_filter() -> Iterator[None]:
 
 def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF16) -> Run:
     worker = harness.real_worker(gbs=gbs, mbs=mbs, bf16=bf16)
-    grads: list[torch.Tensor] = []
-    step = worker.optimizer.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append(harness.main_grads(worker.model))
-        return step(*args, **kwargs)
-
-    worker.optimizer.step = recording_step
+    grads = harness.record_grads(worker)
     rows = [0]
 
     def count(module: Any, args: tuple, kwargs: dict) -> None:

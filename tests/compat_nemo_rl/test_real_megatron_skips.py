@@ -137,14 +137,7 @@ def _run(patched: bool, gbs: int = ROWS, options: dict | None = None, mbs: int |
     (``gbs`` = :data:`ROWS`), or one rollout batch of ``ROWS // gbs`` optimizer steps; ``mbs`` (rows a
     micro-batch and a log-prob batch) 4 or 2 unless given."""
     worker = harness.real_worker(gbs=gbs, mbs=mbs or (4 if gbs == ROWS else 2))
-    grads: list[torch.Tensor] = []
-    step = worker.optimizer.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append(harness.main_grads(worker.model))
-        return step(*args, **kwargs)
-
-    worker.optimizer.step = recording_step
+    grads = harness.record_grads(worker)
     policy = real_policy(worker)
     config = master_config(TAG, grpo={"num_prompts_per_step": 3, "num_generations_per_prompt": 4}, loss=loss,
                            policy={**worker.cfg, "megatron_cfg": {**worker.cfg["megatron_cfg"], "enabled": True}})
@@ -227,14 +220,7 @@ def test_reference_placeholder_is_not_read_at_kl_zero(unpatched, tolerance):
     NaN in their place leaves the Megatron worker's gradients bitwise unchanged (nothing reads them);
     bf16: finite and within the noise floor."""
     worker = harness.real_worker(gbs=ROWS, mbs=4)
-    grads: list[torch.Tensor] = []
-    step = worker.optimizer.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        grads.append(harness.main_grads(worker.model))
-        return step(*args, **kwargs)
-
-    worker.optimizer.step = recording_step
+    grads = harness.record_grads(worker)
     batch = dict(_batches()[0])
     with torch.no_grad():
         batch["prev_logprobs"] = worker.get_logprobs(data=batched(batch))["logprobs"]

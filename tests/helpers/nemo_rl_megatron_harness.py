@@ -297,6 +297,19 @@ def real_worker(gbs: int, mbs: int, *, seed: int = 0, lr: float = 0.1, dp: int =
     return worker
 
 
+def record_grads(worker: Any) -> list:
+    """The list that gets :func:`main_grads` of ``worker``'s model before each of its optimizer steps."""
+    grads: list = []
+    step = worker.optimizer.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        grads.append(main_grads(worker.model))
+        return step(*args, **kwargs)
+
+    worker.optimizer.step = recording_step
+    return grads
+
+
 def main_grads(model: Any) -> Any:
     """The gradient megatron-core's DDP accumulated (``main_grad``), flattened in parameter order."""
     import torch
