@@ -32,15 +32,17 @@ def trainer_config(*, mini: int, epochs: int = 1, shuffle: bool = False, seed: i
 
 
 class Group:
-    """The actor worker group of one rank: ``world_size`` ranks, this one ``rank``; rows counted."""
+    """The actor worker group of one rank: ``world_size`` ranks, this one ``rank``; rows and passes counted."""
 
     def __init__(self, actor: Any, world: int, rank: int, engine: bool):
         self.actor, self.world_size, self.rank, self.engine = actor, world, rank, engine
         self.rows = 0  # rows through the old-logprob pass
+        self.calls = 0  # old-logprob passes
 
     def compute_log_prob(self, data: Any) -> Any:
         assert len(data) % self.world_size == 0, f"{len(data)} rows do not chunk over {self.world_size} ranks"
         self.rows += len(data)
+        self.calls += 1
         if self.engine:
             from tensordict.tensorclass import NonTensorData
             from verl.utils import tensordict_utils as tu
@@ -68,6 +70,23 @@ class Group:
         return DataProto(meta_info={"metrics": self.actor.update_policy(mine)})
 
 
+def legacy_group(run: h.Run, *, mini: int = h.ROWS, world: int = 1, rank: int = 0, shard: bool = False,
+                 **actor_config: Any) -> Group:
+    """A fresh 0.7.x legacy actor on the tiny model (FSDP2-sharded if ``shard``) behind this rank's
+    worker group, the gradients before each optimizer step recorded into ``run``."""
+    model = h.tiny_model(0)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    actor = h.legacy_actor(model, mini=mini, **actor_config)
+    step = actor._optimizer_step
+    actor._optimizer_step = lambda: (run.grads.append(h.grads_of(model.parameters())), step())[1]
+    return Group(actor, world, rank, engine=False)
+
+
 def zero_rows(fraction: float, rows: int = h.ROWS) -> tuple[int, ...]:
     """Every rank's zero-advantage rows: ``fraction`` of them, spread over the batch."""
     count = round(fraction * rows)
@@ -93,19 +112,10 @@ def run(options: dict | None, *, n_mini: int, epochs: int = 1, shuffle: bool = F
         worker.reset_weights()
         worker.set_loss()
         worker.current = result
-        actor = worker
+        trainer.actor_rollout_wg = Group(worker, world, rank, engine=True)
     else:
-        model = h.tiny_model(0)
-        if shard:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-        actor = h.legacy_actor(model, mini=mini, epochs=epochs, dynamic=dynamic)
-        step = actor._optimizer_step
-        actor._optimizer_step = lambda: (result.grads.append(h.grads_of(model.parameters())), step())[1]
-    trainer.actor_rollout_wg = Group(actor, world, rank, engine=worker is not None)
+        trainer.actor_rollout_wg = legacy_group(result, mini=mini, world=world, rank=rank, shard=shard, epochs=epochs,
+                                                dynamic=dynamic)
     batch = h.make_batch(zero_rows=zero, world=world)
     batch.pop("old_log_probs")
     data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
