@@ -132,8 +132,8 @@ def test_reference_placeholder_at_kl_coefficient_zero(workers, record_property):
 def test_on_policy_update_skips_the_old_logprob_pass(workers, tolerance, monkeypatch, record_property):
     """v0 ``RayPPOTrainer._compute_old_log_prob`` (real) on the Megatron worker, then its update."""
     monkeypatch.setattr(engine_runs, "shared_worker", lambda: workers[False])
-    ref = engine_runs.engine_old_pass_then_update(None)
-    got = engine_runs.engine_old_pass_then_update({"logprob_skip": True, "zero_advantage_filter": False})
+    ref = engine_runs.old_pass_then_update(None)
+    got = engine_runs.old_pass_then_update({"logprob_skip": True, "zero_advantage_filter": False})
     err = h.max_rel(got, ref)
     record_property("exact_megatron_old_logprob_skip_grad_rel", err)
     assert err <= tolerance and ref.forwards == 1 and got.forwards == 0, (err, ref.forwards, got.forwards)

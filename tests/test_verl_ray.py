@@ -123,7 +123,7 @@ PROBE = textwrap.dedent(
 def test_the_trainer_asks_its_ray_workers_whether_they_substitute(tmp_path):
     """The old-logprob skip needs the workers' substitution: the trainer asks each Ray worker
     (``__ray_call__``, run in the worker's process) and skips only when every one has it
-    (a worker with ``logprob_skip`` off: ``test_verl_logprob_passes.py``)."""
+    (a worker with ``logprob_skip`` off: ``test_verl_old_logprob_skip.py``)."""
     from grpo_patches.adapters.verl.skip_guarantee import WORKER_MODULES
 
     legacy = h.line().startswith("legacy")

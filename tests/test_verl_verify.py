@@ -132,8 +132,8 @@ def test_the_tiled_loss_is_verified(tmp_path_factory, record_property):
 
 @engine_only
 def test_the_skipped_old_logprob_pass_is_compared_with_what_the_loss_used(record_property):
-    ref = engine_runs.engine_old_pass_then_update(SKIP)
-    got = engine_runs.engine_old_pass_then_update({**SKIP, "verify_every": 1})
+    ref = engine_runs.old_pass_then_update(SKIP)
+    got = engine_runs.old_pass_then_update({**SKIP, "verify_every": 1})
     assert got.forwards == ref.forwards == 0  # the trainer still skips it; the worker runs it for the check
     assert torch.equal(got.grads[0], ref.grads[0])
     assert got.metrics[OLD][0] <= 1e-5 and got.metrics[GRAD][0] <= 1e-5, got.metrics
@@ -150,7 +150,7 @@ def dropout_worker(tmp_path_factory):
 @engine_only
 def test_dropout_left_on_is_caught(dropout_worker):
     with pytest.raises(grpo_patches.ExactnessError) as err:
-        engine_runs.engine_old_pass_then_update({**SKIP, "verify_every": 1}, worker=dropout_worker)
+        engine_runs.old_pass_then_update({**SKIP, "verify_every": 1}, worker=dropout_worker)
     assert err.value.quantity == "old_logprob_max_abs_diff" and err.value.optimizations == ("logprob_skip",)
     assert dropout_worker.current is None
 
@@ -158,10 +158,10 @@ def test_dropout_left_on_is_caught(dropout_worker):
 @engine_only
 def test_dropout_with_disable_trains_on_verls_pass_and_tells_the_trainer(dropout_worker):
     torch.manual_seed(3)
-    ref = engine_runs.engine_old_pass_then_update(None, worker=dropout_worker)
+    ref = engine_runs.old_pass_then_update(None, worker=dropout_worker)
     torch.manual_seed(3)
     with pytest.warns(GrpoPatchesWarning, match="logprob_skip"):
-        got = engine_runs.engine_old_pass_then_update({**SKIP, "verify_every": 1, "verify_action": "disable"},
+        got = engine_runs.old_pass_then_update({**SKIP, "verify_every": 1, "verify_action": "disable"},
                                             worker=dropout_worker)
     # verl's own update on its own pass (this pass batches differently from the trainer's: rounding only)
     assert h.max_rel(got, ref) <= 1e-6

@@ -1,7 +1,7 @@
 """verl's engine line (0.8.0-0.9.1) on a CPU: ``TrainingWorker.train_mini_batch`` (FSDP2 engine,
 ``ppo_loss``) with the CPU platform of :mod:`verl_cpu_shim`, fed the tensordict the v0 trainer
 builds, on the model and batches of :mod:`verl_actor_runs`; and the v0 trainer's old-logprob pass
-followed by the update.
+(on the engine worker or the 0.7.x legacy actor) followed by the update.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from grpo_patches.testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg, line,
                                                   make_batch, model_dir, patches, rank_rows, trainer_config,
                                                   verl_status)
+from grpo_patches.testing.verl_minimal_pass import legacy_group
 
 
 def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
@@ -156,9 +157,10 @@ def engine_batch(rank=0, world=1, *, mini_rows=ROWS, epochs=1, zero="interleaved
     return td
 
 
-# --- the trainer's old-logprob pass on the engine line, then the update (test_verl_logprob_passes, test_verl_megatron) ---
+# --- the v0 trainer's old-logprob pass, then the update (test_verl_old_logprob_skip, _verify, _megatron) ---
 
-
+#: ``logprob_skip`` alone: the filter and the minimal pass (``recompute``) have tests of their own
+LOGPROB_SKIP = {"zero_advantage_filter": False, "logprob_skip": True, "recompute": False}
 
 
 class EngineGroup:
@@ -180,25 +182,38 @@ class EngineGroup:
         return self.worker.worker.infer_batch(td)
 
 
-def engine_old_pass_then_update(options, *, mini=16, placeholder=False, worker=None, **config):
-    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method) on the engine worker, then its update.
+def v0_trainer(group, *, legacy: bool = False, **config):
+    """A v0 ``RayPPOTrainer`` without Ray (only the methods under test run), ``group`` its actor worker group."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = trainer_config(use_kl_loss=False, **config)
+    if legacy:
+        trainer.use_legacy_worker_impl = "auto"  # 0.7.x reads it (its __init__ sets it); the engine line has none
+    trainer.actor_rollout_wg = group
+    return trainer
+
+
+def old_pass_then_update(options, *, mini=16, placeholder=False, worker=None, legacy=False, **config) -> Run:
+    """v0 ``RayPPOTrainer._compute_old_log_prob`` (the real method), then the actor's update: on the engine
+    worker (``worker``, else the shared one) or, ``legacy``, on a fresh 0.7.x legacy actor.
     ``placeholder``: the update gets placeholder old log-probs whatever the trainer did."""
     from verl import DataProto
     from verl.trainer.ppo.core_algos import agg_loss
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    worker = worker or shared_worker()
-    worker.reset_weights()
-    trainer = object.__new__(RayPPOTrainer)
-    trainer.config = trainer_config(use_kl_loss=False, mini=mini, **config)
-    trainer.actor_rollout_wg = EngineGroup(worker)
+    if not legacy:
+        worker = worker or shared_worker()
+        worker.reset_weights()
     batch = make_batch()
     batch.pop("old_log_probs")
     data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
     patches(options)
     try:
+        run = Run()
+        group = legacy_group(run, mini=mini) if legacy else EngineGroup(worker)
+        trainer = v0_trainer(group, legacy=legacy, mini=mini, **config)
         old, mfu = trainer._compute_old_log_prob(data)
         entropy = agg_loss(loss_mat=old.batch["entropys"], loss_mask=data.batch["response_mask"],
                            loss_agg_mode="token-mean").item()  # the trainer's actor/entropy
@@ -208,12 +223,27 @@ def engine_old_pass_then_update(options, *, mini=16, placeholder=False, worker=N
             from grpo_patches.adapters.verl import placeholder as ph
 
             data.batch["old_log_probs"] = ph.like(data.batch["response_mask"])
-        td = left_right_2_no_padding(data.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=ROWS, mini_batch_size=mini, epochs=1,
-                             seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
-        run = worker.run_td(td, "as is")
+        if legacy:
+            run.metrics, run.status = group.actor.update_policy(data), verl_status()
+        else:
+            td = left_right_2_no_padding(data.to_tensordict())
+            tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=ROWS, mini_batch_size=mini, epochs=1,
+                                 seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+            run = worker.run_td(td, "as is")
         run.metrics = {"trainer/actor/entropy": entropy, "trainer/perf/mfu/actor_infer": mfu, **run.metrics}
     finally:
         patches(None)
-    run.forwards = trainer.actor_rollout_wg.calls
+    run.forwards = group.calls
     return run
+
+
+def import_worker_modules() -> None:
+    """Import the modules whose records run in the actor-update process (in these tests: this one)."""
+    import importlib
+
+    from grpo_patches.adapters.verl.skip_guarantee import WORKER_MODULES
+
+    legacy = line().startswith("legacy")
+    for name in WORKER_MODULES:
+        if legacy == name.endswith("dp_actor"):
+            importlib.import_module(name)
