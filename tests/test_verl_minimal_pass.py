@@ -28,24 +28,20 @@ if h.VERL is None:
 from packaging.version import Version  # noqa: E402
 
 from grpo_patches.testing import verl_minimal_pass as m  # noqa: E402
+from tests.helpers import verl_minimal_pass_cases as cases  # noqa: E402
+from tests.helpers.verl_minimal_pass_cases import FILTER, NO_FILTER, TOL  # noqa: E402
+from tests.helpers.verl_minimal_pass_cases import skipped as _skipped  # noqa: E402
 
 V = Version(h.VERL)
 if V < Version("0.7"):
     pytest.skip("the minimal pass needs verl >= 0.7 (RayPPOTrainer._compute_old_log_prob)", allow_module_level=True)
 ENGINE = not h.line().startswith("legacy")
-FILTER = {"zero_advantage_filter": True}
-NO_FILTER = {"zero_advantage_filter": False}
-TOL = 1e-6
 
 
 def _run(options, **kw):
     worker = engine_runs.shared_worker(dynamic=kw.get("dynamic", False)) if ENGINE else None
     with contextlib.redirect_stdout(io.StringIO()):  # verl's actor prints its settings on every build
         return m.run(options, worker=worker, **kw)
-
-
-def _skipped(run) -> float:
-    return run.metrics.get("grpo_patches/old_logprob_rows_skipped", 0.0)
 
 
 # (mini-batches, epochs, shuffle, dynamic): every count and epoch number, each with shuffle and
@@ -73,9 +69,7 @@ def test_gradients_equal_verl_with_the_whole_pass(n_mini, epochs, shuffle, dynam
 
 @pytest.mark.parametrize("n_mini", [2, 4])
 def test_without_the_filter_only_the_first_mini_batch_is_skipped(n_mini):
-    ref, got = _run(None, n_mini=n_mini), _run(NO_FILTER, n_mini=n_mini)
-    assert h.max_rel(got, ref) <= TOL
-    assert _skipped(got) == h.ROWS // n_mini and got.forwards == h.ROWS - h.ROWS // n_mini
+    cases.only_the_first_mini_batch_is_skipped_without_the_filter(_run, n_mini)
 
 
 def test_figures_at_75_percent_zero_advantage_and_4_mini_batches(record_property):
@@ -103,20 +97,7 @@ def test_recompute_false_is_verls_own_pass():
 
 
 def test_the_wrong_first_mini_batch_stops_the_run(monkeypatch):
-    """Plant a fault: the LAST mini-batch taken as the first one. The worker refuses the rows."""
-    import torch
-
-    from grpo_patches.adapters.verl import old_logprob_rows_plan as plan
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
-
-    def last_mini_batch(trainer, rows):
-        first = torch.zeros(rows, dtype=torch.bool)
-        first[-rows // 4:] = True
-        return first
-
-    monkeypatch.setattr(plan, "first_mini_batch", last_mini_batch)
-    with pytest.raises(PlaceholderError, match="without old log-probs after 3 optimizer step"):
-        _run(NO_FILTER, n_mini=4)
+    cases.the_wrong_first_mini_batch_stops_the_run(monkeypatch, _run)
 
 
 @pytest.mark.skipif(not ENGINE, reason="0.7's legacy actor splits mini-batches in order (no shuffle)")
@@ -132,13 +113,7 @@ def test_a_plan_that_ignores_the_shuffle_stops_the_run(monkeypatch):
 
 
 def test_a_skipped_row_reaching_an_unpatched_loss_stops_the_run(monkeypatch):
-    """The workers' row substitution missing (recompute off there): the guard refuses the placeholder."""
-    from grpo_patches.adapters.verl import old_logprob_rows_worker as worker
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
-
-    monkeypatch.setattr(worker, "_substituting_loss", lambda fn, *a, **kw: fn(*a, **kw))  # no substitution
-    with pytest.raises(PlaceholderError, match="placeholder reached verl's policy loss"):
-        _run(NO_FILTER, n_mini=2)
+    cases.a_skipped_row_reaching_an_unpatched_loss_stops_the_run(monkeypatch, _run)
 
 
 def test_the_trainer_runs_the_whole_pass_when_its_workers_do_not_substitute(monkeypatch):

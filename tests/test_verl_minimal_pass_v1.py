@@ -27,16 +27,18 @@ if Version(h.VERL) < Version("0.9"):
 pytest.importorskip("transfer_queue")
 
 from grpo_patches.testing import verl_minimal_pass_v1 as v1  # noqa: E402
-
-FILTER = {"zero_advantage_filter": True}
-NO_FILTER = {"zero_advantage_filter": False}
-TOL = 1e-6
-SKIPPED = "grpo_patches/old_logprob_rows_skipped"
+from tests.helpers import verl_minimal_pass_cases as cases  # noqa: E402
+from tests.helpers.verl_minimal_pass_cases import FILTER, NO_FILTER, SKIPPED, TOL  # noqa: E402
 
 
 def _run(options, monkeypatch, **kw):
     with contextlib.redirect_stdout(io.StringIO()):
         return v1.run(options, monkeypatch=monkeypatch, **kw)
+
+
+def _runner(monkeypatch):
+    """``_run`` as :mod:`tests.helpers.verl_minimal_pass_cases` calls it (options, then keywords)."""
+    return lambda options, **kw: _run(options, monkeypatch, **kw)
 
 
 @pytest.mark.parametrize("n_mini,epochs,shuffle,dynamic", [(2, 1, False, False), (4, 1, False, False),
@@ -58,9 +60,7 @@ def test_gradients_equal_verl_with_the_whole_pass(monkeypatch, record_property, 
 
 @pytest.mark.parametrize("n_mini", [2, 4])
 def test_without_the_filter_only_the_first_mini_batch_is_skipped(monkeypatch, n_mini):
-    ref, got = _run(None, monkeypatch, n_mini=n_mini), _run(NO_FILTER, monkeypatch, n_mini=n_mini)
-    assert h.max_rel(got, ref) <= TOL
-    assert got.metrics[SKIPPED] == h.ROWS // n_mini and got.forwards == h.ROWS - h.ROWS // n_mini
+    cases.only_the_first_mini_batch_is_skipped_without_the_filter(_runner(monkeypatch), n_mini)
 
 
 def test_recompute_false_is_verls_own_pass(monkeypatch):
@@ -69,29 +69,11 @@ def test_recompute_false_is_verls_own_pass(monkeypatch):
 
 
 def test_the_wrong_first_mini_batch_stops_the_run(monkeypatch):
-    """Plant a fault: the LAST mini-batch taken as the first one. The worker refuses the rows."""
-    import torch
-
-    from grpo_patches.adapters.verl import old_logprob_rows_plan as plan
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
-
-    def last_mini_batch(trainer, rows):
-        first = torch.zeros(rows, dtype=torch.bool)
-        first[-rows // 4:] = True
-        return first
-
-    monkeypatch.setattr(plan, "first_mini_batch", last_mini_batch)
-    with pytest.raises(PlaceholderError, match="without old log-probs after 3 optimizer step"):
-        _run(NO_FILTER, monkeypatch, n_mini=4)
+    cases.the_wrong_first_mini_batch_stops_the_run(monkeypatch, _runner(monkeypatch))
 
 
 def test_a_skipped_row_reaching_an_unpatched_loss_stops_the_run(monkeypatch):
-    from grpo_patches.adapters.verl import old_logprob_rows_worker as worker
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
-
-    monkeypatch.setattr(worker, "_substituting_loss", lambda fn, *a, **kw: fn(*a, **kw))  # no substitution
-    with pytest.raises(PlaceholderError, match="placeholder reached verl's policy loss"):
-        _run(NO_FILTER, monkeypatch, n_mini=2)
+    cases.a_skipped_row_reaching_an_unpatched_loss_stops_the_run(monkeypatch, _runner(monkeypatch))
 
 
 def test_a_trainer_that_overrides_the_pass_runs_it_on_every_row(monkeypatch):
