@@ -97,11 +97,8 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     call = tiled_engine.training_call(instance, config, micro, positions=_positions(micro))
     if call is None:
         return wrapped(*args, **kwargs)
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call):
         output, post = wrapped(*args, **kwargs)
-    finally:
-        tiled.reset(token)
     return output, functools.partial(_loss_with_call, call, post)
 
 
@@ -109,12 +106,8 @@ def _loss_with_call(call: tiled.TiledCall, post: Callable[..., Any], *args: Any,
     """The schedule's loss call (``postprocess_micro_batch_func``, last stage) with the micro-batch's call active."""
     from .tiled_engine import count
 
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call, after=count):
         return post(*args, **kwargs)
-    finally:
-        tiled.reset(token)
-        count(call)
 
 
 def _positions(micro: Any) -> Callable[[tuple], Any]:

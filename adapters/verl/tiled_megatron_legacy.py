@@ -41,7 +41,10 @@ _UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tile
 @dataclass
 class Update:
     actor: Any
-    calls: int = 0
+    calls: int = 0  # the micro-batches whose loss was the tiled one
+
+    def count(self, call: tiled.TiledCall) -> None:
+        self.calls += call.loss is not None
 
 
 class _Settings:
@@ -124,23 +127,16 @@ def _forward_step(update: Update, step: Callable[..., Any], batch_iter: Any, mod
     """verl's ``forward_step(batch_iter, model)`` with the micro-batch's call active; its loss function too."""
     micro = next(batch_iter)
     call = _call(update.actor, micro)
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call):
         output, loss = step(iter([micro]), model, *args, **kwargs)
-    finally:
-        tiled.reset(token)
     if call is None:
         return output, loss
     return output, functools.partial(_loss_with_call, update, call, loss)
 
 
 def _loss_with_call(update: Update, call: tiled.TiledCall, loss: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call, after=update.count):
         return loss(*args, **kwargs)
-    finally:
-        tiled.reset(token)
-        update.calls += call.loss is not None
 
 
 def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:
