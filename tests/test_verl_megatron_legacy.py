@@ -38,6 +38,7 @@ from packaging.version import Version  # noqa: E402
 
 from tests.helpers import verl_megatron_harness as mh  # noqa: E402
 from tests.helpers import verl_megatron_legacy_harness as lh  # noqa: E402
+from tests.helpers import verl_megatron_tiled as tc  # noqa: E402
 from tests.helpers.megatron_tier import skip_unless_gpus, tolerance as noise_tolerance  # noqa: E402
 
 TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
@@ -65,11 +66,6 @@ def tolerance(workers):
     return noise_tolerance(h.max_rel(workers["plain"].run(None, dynamic=True), workers["plain"].run(None)))
 
 
-def _values(metric: list) -> list:
-    """A metric's values: verl 0.6.1's ``append_to_dict`` nests each micro-batch's list, 0.7 extends."""
-    return [v for item in metric for v in (item if isinstance(item, list) else [item])]
-
-
 @pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
 @pytest.mark.parametrize("agg", h.AGG_MODES)
 def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dynamic, n_mini, zero,
@@ -84,7 +80,7 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dyn
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT, (ref.grad_rows, got.grad_rows)
     assert got.forwards < ref.forwards
     # verl's pg_loss: the same sum and mean over the original micro-batches
-    got_loss, ref_loss = _values(got.metrics["actor/pg_loss"]), _values(ref.metrics["actor/pg_loss"])
+    got_loss, ref_loss = tc.values(got.metrics["actor/pg_loss"]), tc.values(ref.metrics["actor/pg_loss"])
     assert len(got_loss) == len(ref_loss)
     assert sum(got_loss) == pytest.approx(sum(ref_loss), rel=1e-5, abs=1e-7)
     assert "actor/pg_clipfrac/kept_rows" in got.metrics and "actor/pg_clipfrac" not in got.metrics
@@ -179,7 +175,6 @@ def test_tiled_loss_true_is_one_clear_error(workers):
 
 # --- the tiled loss: verl's fused Megatron forward (TP = 1) answered tile by tile -------------------------
 
-TILED = {"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False}
 #: verl 0.6.1's fused Megatron forward hands its kernel ``output_layer.weight``, which is None when the output layer
 #: shares the embedding's weight (0.7 hands it the embedding's): 0.6.1's tiled tests run on the tiny Qwen2 with an
 #: lm-head of its own, 0.7's on the tied one the other tests use
@@ -203,18 +198,8 @@ def test_tiled_loss_matches_verls_legacy_megatron_loss(tiled_workers, tolerance,
     """Per-step gradients equal to verl's own (unfused) legacy Megatron loss; every training micro-batch
     through the tiled loss; the output layer's [tokens, vocab] projection never runs in the tiled update."""
     reference, fused = tiled_workers
-    extra = dict(entropy_coeff=0.01 if entropy else 0.0)
-    ref = reference.run(None, agg=agg, n_mini=n_mini, **extra)
-    got = fused.run(TILED, agg=agg, n_mini=n_mini, **extra)
-    err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
-    record_property("exact_megatron_legacy_tiled_grad_rel", err)
-    assert err <= tolerance, (agg, n_mini, err)
-    assert ref.projections == ref.forwards > 0 and got.projections == 0, (ref.projections, got.projections)
-    assert got.status["savings"]["tiled_loss_micro_batches"] == got.forwards == ref.forwards
-    assert sum(_values(got.metrics["actor/pg_loss"])) == pytest.approx(sum(_values(ref.metrics["actor/pg_loss"])),
-                                                                       rel=1e-5, abs=1e-7)
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert "tile by tile" in notes
+    tc.check(reference, fused, record_property, record="legacy_tiled", tolerance=tolerance, agg=agg, n_mini=n_mini,
+             entropy_coeff=0.01 if entropy else 0.0)
 
 
 @pytest.mark.parametrize("combined", ["zero_advantage_filter", pytest.param("logprob_skip", marks=OLD_SKIP)])
@@ -223,7 +208,7 @@ def test_tiled_loss_with_the_filter_or_the_old_logprob_skip(tiled_workers, toler
     """With the zero-advantage filter (its per-row carriers) or the old-logprob skip (verl's loss gets the
     detached current log-probs) the tiled update still has verl's unpatched gradients."""
     reference, fused = tiled_workers
-    options = {**TILED, combined: True}
+    options = {**tc.TILED, combined: True}
     if combined == "logprob_skip":  # the legacy trainer's real calls; no old-logprob pass (it would be fused)
         ref, got = lh.old_pass_then_update(reference, None), lh.old_pass_then_update(fused, options)
         assert got.metrics["grpo_patches/old_log_probs_substituted"] == 1.0
@@ -236,29 +221,12 @@ def test_tiled_loss_with_the_filter_or_the_old_logprob_skip(tiled_workers, toler
     assert got.status["savings"]["tiled_loss_micro_batches"] > 0 and got.projections == 0
 
 
-@pytest.mark.parametrize("fault", ["temperature", "token_weights"])
+@pytest.mark.parametrize("fault", tc.FAULTS)
 def test_a_planted_tiled_fault_fails_the_comparison(tiled_workers, fault, monkeypatch, record_property):
     """A wrong temperature or a wrong token weight in the tiled loss is caught by the same comparison."""
-    from grpo_patches.adapters.verl import tiled
-
     reference, fused = tiled_workers
-    if fault == "temperature":
-        compute = tiled.compute
-        monkeypatch.setattr(tiled, "compute", lambda call, hidden, weight, labels, t: compute(call, hidden, weight,
-                                                                                              labels, t * 1.25))
-    else:
-        weights = tiled.token_weights
-        monkeypatch.setattr(tiled, "token_weights", lambda mask, mode, info: weights(mask, mode, info) * 1.01)
-    ref = reference.run(None)
-    try:
-        got = fused.run(TILED)
-    except RuntimeError as error:  # verl's loss saw other token weights than the tiled loss used: also caught
-        record_property(f"fault_legacy_tiled_{fault}", str(error)[:80])
-        assert "loss aggregation" in str(error)
-        return
-    err = h.max_rel(got, ref)
-    record_property(f"fault_legacy_tiled_{fault}_grad_rel", err)
-    assert err > 1e-3, err
+    tc.check(reference, fused, record_property, record="legacy_tiled", tolerance=TOL, fault=fault,
+             monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("setting", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
@@ -271,10 +239,9 @@ def test_tiled_true_refuses_tp_pp_and_auto_notes_it(tiled_workers, setting, monk
     from grpo_patches.errors import IncompatibleOptionsError
 
     with pytest.raises(IncompatibleOptionsError, match=f"{setting}=2"):
-        fused.run(TILED)
-    got = reference.run({**TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert f"{setting}=2" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
+        fused.run(tc.TILED)
+    got = reference.run({**tc.TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
+    assert f"{setting}=2" in tc.notes(got) and "tiled_loss_micro_batches" not in got.status["savings"]
 
 
 @pytest.mark.skipif(TIED_FUSED, reason="verl 0.7+ hands the fused kernel the embedding's weight when tied")
@@ -288,10 +255,10 @@ def test_tiled_loss_on_tied_embeddings_is_refused_on_verl_061(workers):
     assert worker.actor.hf_config.tie_word_embeddings
     assert all(mh.output_layer(m).weight is None for m in worker.modules)  # what 0.6.1 would hand its kernel
     with pytest.raises(IncompatibleOptionsError, match="tie_word_embeddings=True with verl 0.6.1"):
-        worker.run(TILED)
-    got = worker.run({**TILED, "tiled_loss": "auto"})
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert "tie_word_embeddings=True with verl 0.6.1" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
+        worker.run(tc.TILED)
+    got = worker.run({**tc.TILED, "tiled_loss": "auto"})
+    assert "tie_word_embeddings=True with verl 0.6.1" in tc.notes(got)
+    assert "tiled_loss_micro_batches" not in got.status["savings"]
 
 
 def test_the_worker_computes_the_hf_models_log_probs(workers, record_property):
