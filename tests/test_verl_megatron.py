@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from tests.helpers import verl_megatron_harness as mh  # noqa: E402
+from tests.helpers import verl_megatron_tiled as tc  # noqa: E402
 from tests.helpers.megatron_tier import skip_unless_gpus, tolerance as noise_tolerance  # noqa: E402
 
 TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
@@ -152,9 +153,6 @@ def test_auto_notes_what_megatron_does_not_cover(workers):
 
 # --- the tiled loss: verl's fused Megatron forward (TP = 1) answered tile by tile -----------------
 
-TILED = {"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False}
-
-
 @pytest.fixture(scope="module")
 def fused_worker(workers, tmp_path_factory):
     """A worker on verl's fused Megatron forward (packed sequences). Its Triton kernel cannot run on a
@@ -170,40 +168,15 @@ def test_tiled_loss_matches_verls_megatron_loss(workers, fused_worker, tolerance
     """Per-step gradients equal to verl's own (unfused) Megatron loss; every training micro-batch through the
     tiled loss; the output layer's [tokens, vocab] projection never runs in the tiled update."""
     extra = dict(entropy_coeff=0.01, calculate_entropy=True) if entropy else {}
-    ref = workers[False].run(None, agg=agg, n_mini=n_mini, **extra)
-    got = fused_worker.run(TILED, agg=agg, n_mini=n_mini, **extra)
-    err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
-    record_property("exact_megatron_tiled_grad_rel", err)
-    assert err <= tolerance, (agg, n_mini, err)
-    assert ref.projections == ref.forwards > 0 and got.projections == 0, (ref.projections, got.projections)
-    assert got.status["savings"]["tiled_loss_micro_batches"] == got.forwards == ref.forwards
-    assert sum(got.metrics["actor/pg_loss"]) == pytest.approx(sum(ref.metrics["actor/pg_loss"]), rel=1e-5, abs=1e-7)
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert "tile by tile" in notes
+    tc.check(workers[False], fused_worker, record_property, record="tiled", tolerance=tolerance, agg=agg,
+             n_mini=n_mini, **extra)
 
 
-@pytest.mark.parametrize("fault", ["temperature", "token_weights"])
+@pytest.mark.parametrize("fault", tc.FAULTS)
 def test_a_planted_tiled_fault_fails_the_comparison(workers, fused_worker, fault, monkeypatch, record_property):
     """A wrong temperature or a wrong token weight in the tiled loss is caught by the same comparison."""
-    from grpo_patches.adapters.verl import tiled
-
-    if fault == "temperature":
-        compute = tiled.compute
-        monkeypatch.setattr(tiled, "compute", lambda call, hidden, weight, labels, t: compute(call, hidden, weight,
-                                                                                              labels, t * 1.25))
-    else:
-        weights = tiled.token_weights
-        monkeypatch.setattr(tiled, "token_weights", lambda mask, mode, info: weights(mask, mode, info) * 1.01)
-    ref = workers[False].run(None)
-    try:
-        got = fused_worker.run(TILED)
-    except RuntimeError as error:  # verl's loss saw other token weights than the tiled loss used: also caught
-        record_property(f"fault_tiled_{fault}", str(error)[:80])
-        assert "loss aggregation" in str(error)
-        return
-    err = h.max_rel(got, ref)
-    record_property(f"fault_tiled_{fault}_grad_rel", err)
-    assert err > 1e-3, err
+    tc.check(workers[False], fused_worker, record_property, record="tiled", tolerance=TOL, fault=fault,
+             monkeypatch=monkeypatch)
 
 
 def test_tiled_true_refuses_tensor_parallel_and_auto_notes_it(workers, fused_worker, monkeypatch):
@@ -214,11 +187,10 @@ def test_tiled_true_refuses_tensor_parallel_and_auto_notes_it(workers, fused_wor
     from grpo_patches.errors import IncompatibleOptionsError
 
     with pytest.raises(IncompatibleOptionsError, match="tensor_model_parallel_size=2") as raised:
-        fused_worker.run(TILED)
+        fused_worker.run(tc.TILED)
     assert fused_worker.current is None and "splits the vocabulary" in str(raised.value)
-    got = workers[False].run({**TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert "tensor_model_parallel_size=2" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
+    got = workers[False].run({**tc.TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
+    assert "tensor_model_parallel_size=2" in tc.notes(got) and "tiled_loss_micro_batches" not in got.status["savings"]
 
 
 # --- two processes: tensor parallel 2, pipeline parallel 2, data parallel 2 ----------------------

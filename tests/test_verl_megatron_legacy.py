@@ -11,7 +11,7 @@ data parallel 2 (two spawned processes each). Counted: rows through the model wi
 verl) fails the same comparison. The reference skip (KL coefficient 0) and the old-logprob skip
 (through the legacy trainer's real ``_compute_old_log_prob`` / ``_update_actor``) run on the same worker.
 
-The tiled loss (0.7.x, tensor parallel 1, ``use_fused_kernels=True``): its answer to verl's fused forward's
+The tiled loss (tensor parallel 1, ``use_fused_kernels=True``): its answer to verl's fused forward's
 ``linear_cross_entropy`` call against verl's own unfused legacy Megatron loss (verl's Triton kernel cannot
 run on a CPU), alone and with the filter or the old-logprob skip; the output layer's projection never
 run; a wrong temperature or token weight fails; no fused kernels, TP 2, PP 2 refused / noted.
@@ -38,14 +38,13 @@ from packaging.version import Version  # noqa: E402
 
 from tests.helpers import verl_megatron_harness as mh  # noqa: E402
 from tests.helpers import verl_megatron_legacy_harness as lh  # noqa: E402
+from tests.helpers import verl_megatron_tiled as tc  # noqa: E402
 from tests.helpers.megatron_tier import skip_unless_gpus, tolerance as noise_tolerance  # noqa: E402
 
 TOL = 1e-6  # fp32 (cpu tier); the gpu tier (bf16) compares with the re-batching noise floor (tolerance())
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False}
 LAYOUTS = [(False, 1, "grouped"), (False, 2, "interleaved"), (True, 1, "interleaved"), (True, 2, "grouped")]
 KEPT = 8  # rows with a non-zero advantage per rank
-#: verl versions whose legacy Megatron actor gets the tiled loss (0.6.1's: untested, noted)
-TILED_LEGACY = Version(h.VERL) >= Version("0.7")
 OLD_SKIP = pytest.mark.skipif(Version(h.VERL) < Version("0.7"), reason="0.6 has no old-logprob skip")
 
 
@@ -67,11 +66,6 @@ def tolerance(workers):
     return noise_tolerance(h.max_rel(workers["plain"].run(None, dynamic=True), workers["plain"].run(None)))
 
 
-def _values(metric: list) -> list:
-    """A metric's values: verl 0.6.1's ``append_to_dict`` nests each micro-batch's list, 0.7 extends."""
-    return [v for item in metric for v in (item if isinstance(item, list) else [item])]
-
-
 @pytest.mark.parametrize("dynamic,n_mini,zero", LAYOUTS)
 @pytest.mark.parametrize("agg", h.AGG_MODES)
 def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dynamic, n_mini, zero,
@@ -86,7 +80,7 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, tolerance, agg, dyn
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT, (ref.grad_rows, got.grad_rows)
     assert got.forwards < ref.forwards
     # verl's pg_loss: the same sum and mean over the original micro-batches
-    got_loss, ref_loss = _values(got.metrics["actor/pg_loss"]), _values(ref.metrics["actor/pg_loss"])
+    got_loss, ref_loss = tc.values(got.metrics["actor/pg_loss"]), tc.values(ref.metrics["actor/pg_loss"])
     assert len(got_loss) == len(ref_loss)
     assert sum(got_loss) == pytest.approx(sum(ref_loss), rel=1e-5, abs=1e-7)
     assert "actor/pg_clipfrac/kept_rows" in got.metrics and "actor/pg_clipfrac" not in got.metrics
@@ -167,10 +161,8 @@ def test_auto_notes_what_megatron_does_not_cover(workers):
     got = workers["plain"].run({"zero_advantage_filter": "auto", "dropped_rows_metrics": True, "tiled_loss": "auto"})
     notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
     assert "dropped_rows_metrics=True is not available" in notes
-    if TILED_LEGACY:  # the tiled loss keeps verl's own (unfused) loss, and says so
-        assert "use_fused_kernels=False" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
-    else:
-        assert "legacy Megatron actor computes log-probs through Megatron's output layer" in notes
+    # the tiled loss keeps verl's own (unfused) loss, and says so
+    assert "use_fused_kernels=False" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
     assert got.grad_rows == h.ROWS
 
 
@@ -181,55 +173,47 @@ def test_tiled_loss_true_is_one_clear_error(workers):
         workers["plain"].run({"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False})
 
 
-# --- the tiled loss: verl's fused Megatron forward (TP = 1) answered tile by tile (0.7.x) ---------------
+# --- the tiled loss: verl's fused Megatron forward (TP = 1) answered tile by tile -------------------------
 
-TILED = {"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False}
-TILED_ONLY = pytest.mark.skipif(not TILED_LEGACY, reason="0.6.1's legacy Megatron actor: the tiled loss is noted")
+#: verl 0.6.1's fused Megatron forward hands its kernel ``output_layer.weight``, which is None when the output layer
+#: shares the embedding's weight (0.7 hands it the embedding's): 0.6.1's tiled tests run on the tiny Qwen2 with an
+#: lm-head of its own, 0.7's on the tied one the other tests use
+TIED_FUSED = Version(h.VERL) >= Version("0.7")
 
 
 @pytest.fixture(scope="module")
-def fused_worker(workers, tmp_path_factory):
-    """A legacy worker on verl's fused Megatron forward (packed sequences). Its Triton kernel cannot run on a
-    CPU: every patched update below runs without it, and the reference is verl's unfused Megatron loss."""
-    if not TILED_LEGACY:
-        pytest.skip("0.6.1's legacy Megatron actor: the tiled loss is noted")
-    path = mh.model_dir(str(tmp_path_factory.mktemp("verl_megatron_legacy_fused")))
-    return lh.LegacyMegatronWorker(path, fused=True)
+def tiled_workers(workers, tmp_path_factory):
+    """verl's own unfused legacy Megatron loss and a worker on verl's fused Megatron forward (packed sequences),
+    on the same weights. The fused forward's Triton kernel cannot run on a CPU: every patched update below runs
+    without it, and the reference is the unfused worker."""
+    path = mh.model_dir(str(tmp_path_factory.mktemp("verl_megatron_legacy_fused")), tied=TIED_FUSED)
+    reference = workers["plain"] if TIED_FUSED else lh.LegacyMegatronWorker(path)
+    return reference, lh.LegacyMegatronWorker(path, fused=True)
 
 
-@TILED_ONLY
 @pytest.mark.parametrize("agg,n_mini,entropy", [("token-mean", 1, False), ("seq-mean-token-sum", 2, True),
                                                 ("seq-mean-token-mean", 1, False)])
-def test_tiled_loss_matches_verls_legacy_megatron_loss(workers, fused_worker, tolerance, agg, n_mini, entropy,
+def test_tiled_loss_matches_verls_legacy_megatron_loss(tiled_workers, tolerance, agg, n_mini, entropy,
                                                        record_property):
     """Per-step gradients equal to verl's own (unfused) legacy Megatron loss; every training micro-batch
     through the tiled loss; the output layer's [tokens, vocab] projection never runs in the tiled update."""
-    extra = dict(entropy_coeff=0.01 if entropy else 0.0)
-    ref = workers["plain"].run(None, agg=agg, n_mini=n_mini, **extra)
-    got = fused_worker.run(TILED, agg=agg, n_mini=n_mini, **extra)
-    err = h.max_rel(got, ref)  # asserts the same number of optimizer steps
-    record_property("exact_megatron_legacy_tiled_grad_rel", err)
-    assert err <= tolerance, (agg, n_mini, err)
-    assert ref.projections == ref.forwards > 0 and got.projections == 0, (ref.projections, got.projections)
-    assert got.status["savings"]["tiled_loss_micro_batches"] == got.forwards == ref.forwards
-    assert sum(_values(got.metrics["actor/pg_loss"])) == pytest.approx(sum(_values(ref.metrics["actor/pg_loss"])),
-                                                                       rel=1e-5, abs=1e-7)
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert "tile by tile" in notes
+    reference, fused = tiled_workers
+    tc.check(reference, fused, record_property, record="legacy_tiled", tolerance=tolerance, agg=agg, n_mini=n_mini,
+             entropy_coeff=0.01 if entropy else 0.0)
 
 
-@TILED_ONLY
-@pytest.mark.parametrize("combined", ["zero_advantage_filter", "logprob_skip"])
-def test_tiled_loss_with_the_filter_or_the_old_logprob_skip(workers, fused_worker, tolerance, combined,
+@pytest.mark.parametrize("combined", ["zero_advantage_filter", pytest.param("logprob_skip", marks=OLD_SKIP)])
+def test_tiled_loss_with_the_filter_or_the_old_logprob_skip(tiled_workers, tolerance, combined,
                                                              record_property):
     """With the zero-advantage filter (its per-row carriers) or the old-logprob skip (verl's loss gets the
     detached current log-probs) the tiled update still has verl's unpatched gradients."""
-    options = {**TILED, combined: True}
+    reference, fused = tiled_workers
+    options = {**tc.TILED, combined: True}
     if combined == "logprob_skip":  # the legacy trainer's real calls; no old-logprob pass (it would be fused)
-        ref, got = lh.old_pass_then_update(workers["plain"], None), lh.old_pass_then_update(fused_worker, options)
+        ref, got = lh.old_pass_then_update(reference, None), lh.old_pass_then_update(fused, options)
         assert got.metrics["grpo_patches/old_log_probs_substituted"] == 1.0
     else:
-        ref, got = workers["plain"].run(None), fused_worker.run(options)
+        ref, got = reference.run(None), fused.run(options)
         assert got.grad_rows == KEPT, got.grad_rows
     err = h.max_rel(got, ref)
     record_property(f"exact_megatron_legacy_tiled_{combined}_grad_rel", err)
@@ -237,45 +221,44 @@ def test_tiled_loss_with_the_filter_or_the_old_logprob_skip(workers, fused_worke
     assert got.status["savings"]["tiled_loss_micro_batches"] > 0 and got.projections == 0
 
 
-@TILED_ONLY
-@pytest.mark.parametrize("fault", ["temperature", "token_weights"])
-def test_a_planted_tiled_fault_fails_the_comparison(workers, fused_worker, fault, monkeypatch, record_property):
+@pytest.mark.parametrize("fault", tc.FAULTS)
+def test_a_planted_tiled_fault_fails_the_comparison(tiled_workers, fault, monkeypatch, record_property):
     """A wrong temperature or a wrong token weight in the tiled loss is caught by the same comparison."""
-    from grpo_patches.adapters.verl import tiled
-
-    if fault == "temperature":
-        compute = tiled.compute
-        monkeypatch.setattr(tiled, "compute", lambda call, hidden, weight, labels, t: compute(call, hidden, weight,
-                                                                                              labels, t * 1.25))
-    else:
-        weights = tiled.token_weights
-        monkeypatch.setattr(tiled, "token_weights", lambda mask, mode, info: weights(mask, mode, info) * 1.01)
-    ref = workers["plain"].run(None)
-    try:
-        got = fused_worker.run(TILED)
-    except RuntimeError as error:  # verl's loss saw other token weights than the tiled loss used: also caught
-        record_property(f"fault_legacy_tiled_{fault}", str(error)[:80])
-        assert "loss aggregation" in str(error)
-        return
-    err = h.max_rel(got, ref)
-    record_property(f"fault_legacy_tiled_{fault}_grad_rel", err)
-    assert err > 1e-3, err
+    reference, fused = tiled_workers
+    tc.check(reference, fused, record_property, record="legacy_tiled", tolerance=TOL, fault=fault,
+             monkeypatch=monkeypatch)
 
 
-@TILED_ONLY
 @pytest.mark.parametrize("setting", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
-def test_tiled_true_refuses_tp_pp_and_auto_notes_it(workers, fused_worker, setting, monkeypatch):
+def test_tiled_true_refuses_tp_pp_and_auto_notes_it(tiled_workers, setting, monkeypatch):
     """TP > 1 splits the vocabulary, PP is untested: ``True`` raises before any micro-batch, ``"auto"`` keeps
     verl's loss with the reason (the decision reads the actor's settings: 2 is set on the size-1 workers')."""
-    for worker in (fused_worker, workers["plain"]):
+    reference, fused = tiled_workers
+    for worker in (fused, reference):
         monkeypatch.setitem(vars(worker.actor.config.megatron), setting, 2)  # a frozen config
     from grpo_patches.errors import IncompatibleOptionsError
 
     with pytest.raises(IncompatibleOptionsError, match=f"{setting}=2"):
-        fused_worker.run(TILED)
-    got = workers["plain"].run({**TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
-    notes = " ".join(n for by_class in got.status["by_class"].values() for n in by_class.values())
-    assert f"{setting}=2" in notes and "tiled_loss_micro_batches" not in got.status["savings"]
+        fused.run(tc.TILED)
+    got = reference.run({**tc.TILED, "tiled_loss": "auto"})  # verl's own (unfused) loss, noted
+    assert f"{setting}=2" in tc.notes(got) and "tiled_loss_micro_batches" not in got.status["savings"]
+
+
+@pytest.mark.skipif(TIED_FUSED, reason="verl 0.7+ hands the fused kernel the embedding's weight when tied")
+def test_tiled_loss_on_tied_embeddings_is_refused_on_verl_061(workers):
+    """verl 0.6.1's fused forward hands its kernel ``output_layer.weight``, None with tied embeddings (mbridge
+    shares the embedding's weight, as megatron-core allocates none for the output layer): ``True`` raises
+    before any micro-batch, ``"auto"`` keeps verl's loss and says why."""
+    from grpo_patches.errors import IncompatibleOptionsError
+
+    worker = workers["plain"]  # the tied tiny Qwen2
+    assert worker.actor.hf_config.tie_word_embeddings
+    assert all(mh.output_layer(m).weight is None for m in worker.modules)  # what 0.6.1 would hand its kernel
+    with pytest.raises(IncompatibleOptionsError, match="tie_word_embeddings=True with verl 0.6.1"):
+        worker.run(tc.TILED)
+    got = worker.run({**tc.TILED, "tiled_loss": "auto"})
+    assert "tie_word_embeddings=True with verl 0.6.1" in tc.notes(got)
+    assert "tiled_loss_micro_batches" not in got.status["savings"]
 
 
 def test_the_worker_computes_the_hf_models_log_probs(workers, record_property):

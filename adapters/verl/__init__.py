@@ -29,8 +29,9 @@ the line whose internals it wraps. Records on one attribute stack in table order
 - the placeholder guard (every option): verl's policy loss refuses a placeholder as old log-probs.
 - tiled lm-head loss (:mod:`.tiled`, :mod:`.tiled_policy_loss`, :mod:`.tiled_legacy`,
   :mod:`.tiled_engine`): answers verl's fused-kernel lm-head call with the tiled loss; on the Megatron engine
-  (:mod:`.tiled_megatron`) and the 0.7.x legacy Megatron actor (:mod:`.tiled_megatron_legacy`) the fused
-  forward's ``linear_cross_entropy`` call with tensor parallel 1 (a note otherwise; 0.6.1's actor: a note).
+  (:mod:`.tiled_megatron`) and the legacy Megatron actor (0.6.1-0.7.x, :mod:`.tiled_megatron_legacy`) the fused
+  forward's ``linear_cross_entropy`` call with tensor parallel 1 (a note otherwise; 0.6.1 with tied embeddings:
+  a note, its fused forward hands the kernel no weight).
 - verify mode (``verify_every``; :mod:`.verify`, :mod:`.verify_engine`, :mod:`.verify_legacy`): the
   FSDP engine's and the legacy actor's updates checked against verl's own on chosen steps (every
   other record passes through for it: :mod:`.bypass`); the Megatron engine is not covered (an
@@ -68,8 +69,6 @@ MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 MEGATRON_ACTOR = "verl.workers.actor.megatron_actor"  # the legacy Megatron worker's actor (0.6.1-0.7.x)
 MEGATRON_WORKERS = "verl.workers.megatron_workers"
 MCORE_FUSED = "verl.models.mcore.model_forward_fused"  # binds linear_cross_entropy (the fused Megatron forward)
-#: the legacy Megatron actor's tiled loss (:mod:`.tiled_megatron_legacy`; 0.6.1 untested: noted)
-MEGATRON_LEGACY_TILED = ">=0.7,<0.8"
 #: Every module that binds ``need_reference_policy(config)`` by name (0.6 passes the role mapping
 #: that ``TaskRunner.add_ref_policy_worker`` fills: that method is wrapped instead).
 _NEED_REFERENCE = (
@@ -81,13 +80,13 @@ _NEED_REFERENCE = (
     ("verl.trainer.ppo.v1.trainer_base", ">=0.9"),
 )
 
-#: The legacy Megatron worker (0.6.1-0.7.x, :mod:`.filter_megatron_legacy`, :mod:`.old_logprobs_megatron_legacy`):
-#: the guard innermost, then the filter, the skips' worker side and the tiled note.
+#: The legacy Megatron worker (0.6.1-0.7.x, :mod:`.filter_megatron_legacy`, :mod:`.old_logprobs_megatron_legacy`,
+#: :mod:`.tiled_megatron_legacy`): the guard innermost, then the filter, the skips' worker side and the tiled loss.
 _MEGATRON_LEGACY = (
     PatchTarget(MEGATRON_ACTOR, "get_policy_loss_fn", f"{_HERE}.placeholder:guard_policy_loss", versions=LEGACY),
     # the tiled loss's policy loss: inside the old-logprob substitution (it checks what verl's loss receives)
     PatchTarget(MEGATRON_ACTOR, "get_policy_loss_fn", f"{_HERE}.tiled_policy_loss:get_policy_loss_fn",
-                versions=MEGATRON_LEGACY_TILED, option="tiled_loss"),
+                versions=LEGACY, option="tiled_loss"),
     *(PatchTarget(MEGATRON_ACTOR, attribute, f"{_HERE}.filter_megatron_legacy:{wrapper}", versions=LEGACY,
                   option="zero_advantage_filter")
       for attribute, wrapper in (("MegatronPPOActor.update_policy", "update_policy"), ("make_batch_generator",
@@ -99,13 +98,11 @@ _MEGATRON_LEGACY = (
                 f"{_HERE}.old_logprobs_megatron_legacy:update_actor", versions=OLD_SKIP, option="logprob_skip"),
     PatchTarget(MEGATRON_ACTOR, "get_policy_loss_fn", f"{_HERE}.old_logprobs_megatron_legacy:get_policy_loss_fn",
                 versions=OLD_SKIP, option="logprob_skip"),
-    PatchTarget(MEGATRON_ACTOR, "MegatronPPOActor.update_policy", f"{_HERE}.tiled_megatron:update_policy",
-                versions=">=0.6.1,<0.7", option="tiled_loss"),  # 0.6.1: untested, noted
     # tiled loss (TP = 1, fused kernels): each training micro-batch's call around verl's forward_step and loss
     PatchTarget(MEGATRON_ACTOR, "get_forward_backward_func", f"{_HERE}.tiled_megatron_legacy:get_forward_backward_func",
-                versions=MEGATRON_LEGACY_TILED, option="tiled_loss"),
+                versions=LEGACY, option="tiled_loss"),
     PatchTarget(MEGATRON_ACTOR, "MegatronPPOActor.update_policy", f"{_HERE}.tiled_megatron_legacy:update_policy",
-                versions=MEGATRON_LEGACY_TILED, option="tiled_loss"),
+                versions=LEGACY, option="tiled_loss"),
 )
 
 #: Every patch record of the verl adapter (module, attribute, wrapper, versions, option); each
@@ -205,7 +202,7 @@ PATCHES = bypassable((
     PatchTarget(MEGATRON_ENGINE, "MegatronEngineWithLMHead.forward_step", f"{_HERE}.tiled_megatron:forward_step",
                 versions=ENGINE, option="tiled_loss"),
     PatchTarget(MCORE_FUSED, "linear_cross_entropy", f"{_HERE}.tiled_megatron:linear_cross_entropy",
-                versions=">=0.7", option="tiled_loss"),  # the legacy actor (0.7.x) and the engine
+                option="tiled_loss"),  # the legacy actor (0.6.1-0.7.x) and the engine
     # tiled loss: outside the filter on update_policy (verl's on-policy rule counts the unfiltered mini-batches)
     PatchTarget(DP_ACTOR, "DataParallelPPOActor.update_policy", f"{_HERE}.tiled_legacy:update_policy",
                 versions=LEGACY, option="tiled_loss"),

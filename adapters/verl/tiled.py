@@ -31,9 +31,10 @@ for ``"auto"``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from grpo_patches import api
 from grpo_patches.refuse_or_note import refuse_or_note
@@ -165,12 +166,18 @@ def current() -> TiledCall | None:
     return _CALL.get()
 
 
-def activate(call: TiledCall | None) -> contextvars.Token:
-    return _CALL.set(call)
-
-
-def reset(token: contextvars.Token) -> None:
-    _CALL.reset(token)
+@contextlib.contextmanager
+def active(call: TiledCall | None, after: Callable[[TiledCall], None] | None = None) -> Iterator[TiledCall | None]:
+    """``call`` is the training micro-batch's while the block runs (the forward, or the loss the schedule calls
+    after it; ``None``: no tiled loss in the block); ``after(call)``, when given, runs once it is reset, whatever
+    the block did (e.g. counting the micro-batch if its loss was the tiled one)."""
+    token = _CALL.set(call)
+    try:
+        yield call
+    finally:
+        _CALL.reset(token)
+        if after is not None and call is not None:
+            after(call)
 
 
 def _bind_fused(hidden_states, vocab_weights, input_ids, temperature=1.0, *rest, **kw):

@@ -73,12 +73,8 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     call = training_call(instance, config, micro)
     if call is None:
         return wrapped(*args, **kwargs)
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call, after=count):
         return wrapped(*args, **kwargs)
-    finally:
-        tiled.reset(token)
-        count(call)
 
 
 def training_call(instance: Any, config: Any, micro: Any,

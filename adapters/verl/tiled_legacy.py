@@ -114,11 +114,8 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
         weights=tiled.token_weights(full["response_mask"], config.loss_agg_mode, tiled.global_batch_info(config)),
         loss_agg_mode=config.loss_agg_mode, info=tiled.global_batch_info(config),
         calculate_entropy=bool(calculate_entropy), responses=micro["responses"], rows=rows)
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call):
         out = wrapped(*args, **kwargs)
-    finally:
-        tiled.reset(token)
     tiled_policy_loss.leave(call)
     update.calls += call.loss is not None
     return out

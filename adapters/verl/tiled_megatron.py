@@ -1,5 +1,5 @@
-"""The tiled lm-head loss on verl's Megatron engine (0.8.0+; :mod:`.tiled`), the fused kernel's answer
-shared with the 0.7.x legacy ``MegatronPPOActor`` (:mod:`.tiled_megatron_legacy`), and 0.6.1's legacy note.
+"""The tiled lm-head loss on verl's Megatron engine (0.8.0+; :mod:`.tiled`), and the fused kernel's answer
+shared with the legacy ``MegatronPPOActor`` (0.6.1-0.7.x, :mod:`.tiled_megatron_legacy`).
 
 With ``model.use_fused_kernels=True`` verl's Megatron engine runs ``fused_forward_model_engine``:
 the micro-batch packed (THD, ``preprocess_thd_engine``), and at the last pipeline stage one call
@@ -97,11 +97,8 @@ def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     call = tiled_engine.training_call(instance, config, micro, positions=_positions(micro))
     if call is None:
         return wrapped(*args, **kwargs)
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call):
         output, post = wrapped(*args, **kwargs)
-    finally:
-        tiled.reset(token)
     return output, functools.partial(_loss_with_call, call, post)
 
 
@@ -109,12 +106,8 @@ def _loss_with_call(call: tiled.TiledCall, post: Callable[..., Any], *args: Any,
     """The schedule's loss call (``postprocess_micro_batch_func``, last stage) with the micro-batch's call active."""
     from .tiled_engine import count
 
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call, after=count):
         return post(*args, **kwargs)
-    finally:
-        tiled.reset(token)
-        count(call)
 
 
 def _positions(micro: Any) -> Callable[[tuple], Any]:
@@ -154,22 +147,3 @@ def linear_cross_entropy(wrapped: Callable[..., Any], instance: Any, args: tuple
         return wrapped(*args, **kwargs)
     log_probs, entropy = out
     return log_probs.reshape(-1), entropy.reshape(-1)  # the kernel's layout: one value per packed token
-
-
-def reason(engine: Any, what: str) -> str:
-    """Why the tiled loss does not apply (``engine``: anything with the Megatron settings as ``engine_config``)."""
-    tp = int(getattr(engine.engine_config, "tensor_model_parallel_size", 1) or 1)
-    if tp > 1:
-        return (f"{what} with tensor parallelism ({tp}) splits the vocabulary over ranks; the tiled "
-                "loss does not compute vocabulary-parallel log-probs yet")
-    return f"{what} computes log-probs through Megatron's output layer, which the tiled loss does not answer yet"
-
-
-def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of 0.6.1's legacy ``MegatronPPOActor.update_policy`` (untested there): decides, notes."""
-    if instance is not None and getattr(instance, "actor_optimizer", None) is not None and tiled.enabled():
-        import types
-
-        view = types.SimpleNamespace(engine_config=instance.config.megatron)
-        tiled.decide(instance, [reason(view, "verl's legacy Megatron actor")])  # refuse-or-note
-    return wrapped(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The tiled lm-head loss on verl's legacy Megatron actor (``MegatronPPOActor``, 0.7.x; :mod:`.tiled`).
+"""The tiled lm-head loss on verl's legacy Megatron actor (``MegatronPPOActor``, 0.6.1-0.7.x; :mod:`.tiled`).
 
 With ``use_fused_kernels=True`` the legacy actor's ``forward_step`` (a closure of
 ``forward_backward_batch``) runs ``fused_forward_model``: the micro-batch packed
@@ -18,7 +18,10 @@ closure) is verl's ``agg_loss`` over the micro-batch alone, as the legacy ``dp_a
   the tiled gradient with verl's value.
 
 Tensor parallelism, context / pipeline parallelism, fp8, a vision model, MoE communication overlap, or
-no fused kernels: ``"auto"`` keeps verl's own loss with the reason in ``status()``; ``True`` raises.
+no fused kernels: ``"auto"`` keeps verl's own loss with the reason in ``status()``; ``True`` raises. So do tied
+embeddings on 0.6.1, whose fused forward hands the kernel ``output_layer.weight`` (None when the output layer
+shares the embedding's weight; 0.7 hands it the embedding's). 0.6.1 packs every micro-batch into THD, with or
+without fused kernels; the fused forward packs as on 0.7 (``preprocess_packed_seqs``), so the positions are the same.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ _UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tile
 @dataclass
 class Update:
     actor: Any
-    calls: int = 0
+    calls: int = 0  # the micro-batches whose loss was the tiled one
+
+    def count(self, call: tiled.TiledCall) -> None:
+        self.calls += call.loss is not None
 
 
 class _Settings:
@@ -64,9 +70,23 @@ def problems(actor: Any) -> list[str]:
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         found.append("overlap_moe_expert_parallel_comm=True (its 1F1B forward does not call the fused kernel; "
                      "use False)")
+    if getattr(getattr(actor, "hf_config", None), "tie_word_embeddings", False) and _hands_none_when_tied():
+        found.append("tie_word_embeddings=True with verl 0.6.1 (its fused Megatron forward hands the kernel "
+                     "output_layer.weight, which is None when the output layer shares the embedding's weight; verl "
+                     "0.7 hands it the embedding's: upgrade verl, or keep verl's loss)")
     if (config.entropy_coeff or config.use_kl_loss) and tiled.global_batch_info(config):
         found.append("actor.global_batch_info is set (the entropy / KL terms of this verl divide differently)")
     return found
+
+
+def _hands_none_when_tied() -> bool:
+    """Whether this verl's fused Megatron forward passes ``output_layer.weight`` as is (0.6.1; 0.7 added the
+    embedding's weight for tied models)."""
+    from packaging.version import Version
+
+    from .version import installed
+
+    return installed() < Version("0.7")
 
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -107,23 +127,16 @@ def _forward_step(update: Update, step: Callable[..., Any], batch_iter: Any, mod
     """verl's ``forward_step(batch_iter, model)`` with the micro-batch's call active; its loss function too."""
     micro = next(batch_iter)
     call = _call(update.actor, micro)
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call):
         output, loss = step(iter([micro]), model, *args, **kwargs)
-    finally:
-        tiled.reset(token)
     if call is None:
         return output, loss
     return output, functools.partial(_loss_with_call, update, call, loss)
 
 
 def _loss_with_call(update: Update, call: tiled.TiledCall, loss: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    token = tiled.activate(call)
-    try:
+    with tiled.active(call, after=update.count):
         return loss(*args, **kwargs)
-    finally:
-        tiled.reset(token)
-        update.calls += call.loss is not None
 
 
 def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:

@@ -69,15 +69,50 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     init_nccl(rank, world, port)
 
 
-def model_dir(root: str) -> str:
+def model_dir(root: str, tied: bool = True) -> str:
     """The tiny Qwen2 of :func:`verl_harness.model_dir` with the project's tiny tokenizer beside it
-    (verl's Megatron forward reads the tokenizer's pad token id)."""
-    path = h.model_dir(root)
+    (verl's Megatron forward reads the tokenizer's pad token id); ``tied=False``: the same weights with an
+    lm-head of its own (a copy of the embedding), so Megatron's output layer holds its weight."""
+    path = h.model_dir(root) if tied else _untied_model_dir(root)
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         from grpo_patches.demo.tiny_model import build_tokenizer
 
         build_tokenizer().save_pretrained(path)
     return path
+
+
+def _untied_model_dir(root: str) -> str:
+    path = os.path.join(root, "tiny_qwen2_untied")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from transformers import Qwen2ForCausalLM
+
+        tied = h.tiny_model(0)
+        config = tied.config
+        config.tie_word_embeddings = False
+        untied = Qwen2ForCausalLM(config).float()
+        state = tied.state_dict()
+        state["lm_head.weight"] = tied.get_input_embeddings().weight.detach().clone()
+        untied.load_state_dict(state)
+        untied.save_pretrained(path)
+    return path
+
+
+def mbridge_output_mapping(path: str) -> None:
+    """mbridge's Qwen2 bridge maps the output layer to the embedding in its class-level table once a tied model
+    was loaded in the process, and never back: an untied model at ``path`` gets ``lm_head.weight`` again."""
+    import json
+
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    with open(os.path.join(path, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    if not tied:
+        Qwen2Bridge._DIRECT_MAPPING["output_layer.weight"] = "lm_head.weight"
+
+
+def output_layer(module: Any) -> Any:
+    """Megatron's output layer (the ``[tokens, vocab]`` projection) inside a wrapped model chunk."""
+    return next(layer for name, layer in module.named_modules() if name.endswith("output_layer"))
 
 
 def _supported(config_class: type, **fields: Any) -> dict:

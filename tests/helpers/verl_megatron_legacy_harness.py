@@ -125,6 +125,7 @@ class LegacyMegatronWorker:
                  per_token: bool = False, fused: bool = False):
         from verl.workers.megatron_workers import ActorRolloutRefWorker
 
+        mh.mbridge_output_mapping(path)
         self.worker = ActorRolloutRefWorker(worker_config(path, tp=tp, pp=pp, dp=dp, mbs=mbs, max_tokens=max_tokens,
                                                           per_token=per_token, fused=fused), role="actor")
         self.worker.init_model()
