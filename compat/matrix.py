@@ -19,6 +19,20 @@ TIERS = ("cpu", "gpu", "e2e")
 
 
 @dataclass(frozen=True)
+class Checkout:
+    """A package a cell builds from a user's checkout (not on PyPI at the commit it needs).
+
+    ``compat/sources.py`` exports ``paths`` of ``commit`` from the clone ``source_env`` names;
+    the noxfile pip-installs the exported tree ``--no-deps``.
+    """
+
+    package: str
+    source_env: str
+    commit: str
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Cell:
     """One framework version: how to install it and which tests prove it."""
 
@@ -41,6 +55,7 @@ class Cell:
     e2e: bool = False  # the cell has an e2e tier
     e2e_ci: bool = False  # CI runs the cell's e2e tier
     export: tuple[str, ...] = ()  # paths of a source checkout to export (default: the package; see sources.py)
+    from_checkout: tuple[Checkout, ...] = ()  # packages built from checkouts when no ready venv is named
 
     @property
     def name(self) -> str:
@@ -70,6 +85,12 @@ class Cell:
         """Why this cell cannot run here (``None`` when it can)."""
         if self.source_env and not os.environ.get(self.source_env):
             return f"not run: no source (set {self.source_env} to a checkout of {self.framework})"
+        if self.ready_venv():  # it holds the packages built from checkouts
+            return None
+        for checkout in self.from_checkout:
+            if not os.environ.get(checkout.source_env):
+                ready = f", or {self.venv_env} to a ready venv" if self.venv_env else ""
+                return f"not run: no source (set {checkout.source_env} to a checkout of {checkout.package}{ready})"
         return None
 
 
@@ -100,6 +121,18 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     e2e=bool(entry.get("e2e", False)),
                     e2e_ci=bool(entry.get("e2e_ci", False)),
                     export=tuple(entry.get("export", spec.get("export", ()))),
+                    from_checkout=_checkouts(spec, entry),
                 )
             )
     return cells
+
+
+def _checkouts(spec: dict, entry: dict) -> tuple[Checkout, ...]:
+    """A version's ``from_checkout`` (package -> commit) joined with its framework's ``checkouts``
+    (package -> variable and paths to export)."""
+    known = spec.get("checkouts", {})
+    unknown = set(entry.get("from_checkout", {})) - set(known)
+    if unknown:
+        raise ValueError(f"{entry['version']}: from_checkout names {sorted(unknown)}, not in the framework's checkouts")
+    return tuple(Checkout(package, known[package]["source_env"], commit, tuple(known[package]["export"]))
+                 for package, commit in entry.get("from_checkout", {}).items())

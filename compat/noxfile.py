@@ -28,7 +28,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix import ROOT, Cell, load  # noqa: E402
-from sources import prepare_source  # noqa: E402
+from sources import prepare_checkouts, prepare_source  # noqa: E402
 
 RESULTS = ROOT / "compat" / ".results"
 CONSTRAINTS = ROOT / "constraints.txt"
@@ -107,6 +107,8 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
         session.install("-c", pins, "torch")
         if cell.no_deps:
             session.install("-c", pins, "--no-deps", *cell.no_deps)
+        if cell.from_checkout:  # packages at commits no release has, exported from the user's clones
+            session.install("-c", pins, "--no-deps", *map(str, prepare_checkouts(cell)))
         extra = cell.gpu_install if tier == "gpu" else ()
         session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
     session.install("--no-deps", "-e", str(ROOT))

@@ -6,7 +6,12 @@ entry point) is exported from that clone (``git archive``) into ``compat/.source
 (gitignored) and put on ``PYTHONPATH``. A package the framework pins as a git submodule (NeMo-RL's
 ``nemo_automodel``) is exported at the commit the tag records, from the clone its own
 variable names (``AUTOMODEL_SRC``); without it, the tests that need it skip and say so.
+Packages a cell builds from a checkout (``from_checkout``: NeMo-RL's megatron-core and
+Megatron-Bridge at the commits its tags pin) are exported the same way, from the clone their
+variable names (``MEGATRON_LM_SRC``), for nox to pip-install ``--no-deps``.
 Nothing of the framework is ever committed here.
+
+    python compat/sources.py nemo_rl-v0.6.0-megatron   # export a cell's checkout packages, print their dirs
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from matrix import ROOT, Cell
+from matrix import ROOT, Cell, load
 
 SOURCES = ROOT / "compat" / ".sources"
 
@@ -64,3 +69,23 @@ def prepare_source(cell: Cell) -> list[Path]:
         pinned = submodule_commit(clone, ref, sub["path"])
         dirs.append(export(Path(other).expanduser(), pinned, [sub["package"]], SOURCES / f"{sub['package']}-{pinned[:7]}"))
     return dirs
+
+
+def prepare_checkouts(cell: Cell) -> list[Path]:
+    """The exported trees of ``cell``'s ``from_checkout`` packages (one per package and commit),
+    to pip-install ``--no-deps``; each variable must name a clone holding the commit."""
+    dirs = []
+    for checkout in cell.from_checkout:
+        clone = Path(os.environ[checkout.source_env]).expanduser()
+        dest = SOURCES / f"{checkout.package}-{checkout.commit[:7]}"
+        dirs.append(export(clone, checkout.commit, list(checkout.paths), dest))
+    return dirs
+
+
+if __name__ == "__main__":
+    import sys
+
+    cells = {c.name: c for c in load()}
+    if len(sys.argv) != 2 or sys.argv[1] not in cells:
+        sys.exit(f"usage: {sys.argv[0]} CELL (one of: {', '.join(n for n, c in cells.items() if c.from_checkout)})")
+    print("\n".join(str(d) for d in prepare_checkouts(cells[sys.argv[1]])))
