@@ -23,7 +23,8 @@ With two optimizer steps per rollout batch (``recompute``) the adapter defers th
 the later optimizer step's rows (with a non-zero advantage when the filter drops the others); the
 Megatron worker's loss puts the detached current log-probs in the skipped rows. Gradients of both
 optimizer steps equal, rows of the pass counted; a planted fault (the second optimizer step's rows
-taken for the first's) fails it (v0.7.x only; other tags run the pass on every row, the reason in ``status()``). ``Policy.prepare_for_lp_inference`` / ``prepare_for_training``
+taken for the first's) fails it. Covered on v0.7.x only: v0.6.0 and main run the pass on every row, as
+unpatched, with the reason in ``status()`` (tested). ``Policy.prepare_for_lp_inference`` / ``prepare_for_training``
 (GPU off- and onloading around the pass) are not run here.
 Skips without a NeMo-RL source (v0.7.0) or Megatron-Bridge on the path.
 
@@ -295,22 +296,39 @@ def tolerance_two_steps(unpatched_two_steps) -> Tolerance:
     return _noise_floor(unpatched_two_steps, gbs=ROWS // 2, mbs=3)
 
 
+#: the cut pass with the Megatron worker is covered on v0.7.x only (other tags: every row, the reason in ``status()``)
+CUT_PASS = TAG == "v0.7.0"
+
+
 @pytest.fixture()
 def workers_reached(monkeypatch, tmp_path):
-    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver. The cut pass
-    with the Megatron worker is covered on v0.7.x only (other tags: every row, the reason in ``status()``)."""
-    from grpo_patches.testing.nemo_rl_cpu import tag
-
-    if tag() != "v0.7.0":
-        pytest.skip(f"not run: the row-subset pass with NeMo-RL {tag()}'s Megatron worker is not covered "
-                    "(prev_rows: every row, the reason in status())")
+    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver."""
     monkeypatch.setenv("GRPO_PATCHES", "nemo_rl")
     monkeypatch.setenv("GRPO_PATCHES_STARTUP_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
 
 
+@pytest.fixture()
+def cut_pass(workers_reached):
+    if not CUT_PASS:
+        pytest.skip(f"not run: the row-subset pass with NeMo-RL {TAG}'s Megatron worker is not covered "
+                    "(the pass runs on every row, the reason in status(): test_uncovered_tag_runs_the_pass_on_every_row)")
+
+
+def test_uncovered_tag_runs_the_pass_on_every_row(unpatched_two_steps, tolerance_two_steps, workers_reached):
+    """v0.6.0 and main: two optimizer steps per rollout batch with ``recompute`` on run the prev-logprob pass on
+    every row, as NeMo-RL does, and ``status()`` says why (the cut pass is covered on v0.7.x only)."""
+    if CUT_PASS:
+        pytest.skip("v0.7.x: the cut pass runs (test_deferred_pass_on_the_rows_a_loss_reads)")
+    patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
+    assert _max_rel(patched, unpatched_two_steps) <= tolerance_two_steps.grad
+    assert patched.logprob_rows == unpatched_two_steps.logprob_rows == [ROWS]
+    note = patched.totals["notes"]["prev_logprobs"]
+    assert note.startswith("runs:") and "Megatron policy worker (covered on v0.7.x only)" in note, note
+
+
 @pytest.mark.parametrize("zero_filter", [True, False], ids=["filter", "no-filter"])
-def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps, tolerance_two_steps, workers_reached,
+def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps, tolerance_two_steps, cut_pass,
                                                 record_property):
     patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": zero_filter})
     error = _max_rel(patched, unpatched_two_steps)
@@ -330,7 +348,7 @@ def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps
         assert patched.results[0]["all_mb_metrics"]["grpo_patches/rows_dropped"] == [6.0]  # 3 per optimizer step
 
 
-def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, tolerance_two_steps, workers_reached,
+def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, tolerance_two_steps, cut_pass,
                                                             monkeypatch, record_property):
     monkeypatch.setattr(prev_rows, "plan", nemo_prev_rows_cases.rows_treated_as_first(ROWS // 2))
     faulty = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
@@ -339,7 +357,7 @@ def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps,
     assert error > (max(1e-2, tolerance_two_steps.grad) if BF16 else 1e-3), (error, tolerance_two_steps)
 
 
-def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(workers_reached, monkeypatch):
+def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(cut_pass, monkeypatch):
     """A row of the later optimizer step marked as a zero-advantage row although its advantage is not
     0 (driver and workers disagreeing): the Megatron worker's loss raises instead of reading its NaN."""
     original = prev_rows.plan
