@@ -78,10 +78,10 @@ def renormalising_filter() -> Iterator[None]:
         WORKER.process_global_batch = original
 
 
-def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF16) -> Run:
-    worker = harness.real_worker(gbs=gbs, mbs=mbs, bf16=bf16)
-    grads = harness.record_grads(worker)
-    rows = [0]
+@contextmanager
+def rows_forwarded(worker: Any, rows: list[int] | None = None) -> Iterator[list[int]]:
+    """``rows`` (a fresh ``[0]`` unless given) counts the rows through ``worker``'s autograd forward inside."""
+    rows = [0] if rows is None else rows
 
     def count(module: Any, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():
@@ -89,13 +89,20 @@ def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF
 
     handle = worker.model.module.register_forward_pre_hook(count, with_kwargs=True)
     try:
+        yield rows
+    finally:
+        handle.remove()
+
+
+def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF16) -> Run:
+    worker = harness.real_worker(gbs=gbs, mbs=mbs, bf16=bf16)
+    grads = harness.record_grads(worker)
+    with rows_forwarded(worker) as rows:
         if fault or (PLANTED_FAULT == "renormalise" and grpo_patches.status()["nemo_rl"]["patched"]):
             with renormalising_filter():
                 result = worker.train(batched(batch), make_loss(TAG))
         else:
             result = worker.train(batched(batch), make_loss(TAG))
-    finally:
-        handle.remove()
     return Run(grads, result["all_mb_metrics"], rows[0])
 
 
@@ -236,26 +243,19 @@ def _split_train(batch: dict, gbs: int, mbs: int, chunks: int, rows: list[int] |
     worker.cfg["megatron_cfg"]["distributed_data_parallel_config"] = {"overlap_grad_reduce": False}
     worker.model.config.finalize_model_grads_func = finalize_model_grads
     grads = harness.record_grads(worker)
-    rows = [0] if rows is None else rows
-
-    def count(module: Any, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled():
-            rows[0] += int(kwargs.get("input_ids", args[0] if args else None).shape[0])
-
-    handle = worker.model.module.register_forward_pre_hook(count, with_kwargs=True)
     metrics: dict[str, list] = {}
     loss_fn = make_loss(TAG)
     data = batched(batch)
     size = gbs // chunks
     try:
-        for start in range(0, int(data["input_ids"].shape[0]), gbs):
-            worker.begin_train_step(loss_fn, gbs=gbs, mbs=mbs)
-            for chunk in range(start, start + gbs, size):
-                worker.train_microbatch(data.slice(chunk, chunk + size))
-            for key, values in worker.finish_train_step()["all_mb_metrics"].items():
-                metrics.setdefault(key, []).extend(values)
+        with rows_forwarded(worker, rows) as rows:
+            for start in range(0, int(data["input_ids"].shape[0]), gbs):
+                worker.begin_train_step(loss_fn, gbs=gbs, mbs=mbs)
+                for chunk in range(start, start + gbs, size):
+                    worker.train_microbatch(data.slice(chunk, chunk + size))
+                for key, values in worker.finish_train_step()["all_mb_metrics"].items():
+                    metrics.setdefault(key, []).extend(values)
     finally:
-        handle.remove()
         worker.abort_train_step()  # a no-op after finish; drops a step an error left open
     return Run(grads, metrics, rows[0])
 

@@ -310,9 +310,10 @@ def workers_reached(monkeypatch, tmp_path):
 
 @pytest.fixture()
 def cut_pass(workers_reached):
+    """The workers reached, on a tag whose cut pass with the Megatron worker is covered."""
     if not CUT_PASS:
-        pytest.skip(f"not run: the row-subset pass with NeMo-RL {TAG}'s Megatron worker is not covered "
-                    "(the pass runs on every row, the reason in status(): test_uncovered_tag_runs_the_pass_on_every_row)")
+        pytest.skip(f"not run: the row-subset pass with NeMo-RL {TAG}'s Megatron worker is not covered (the pass "
+                    "runs on every row, the reason in status(): test_uncovered_tag_runs_the_pass_on_every_row)")
 
 
 def test_uncovered_tag_runs_the_pass_on_every_row(unpatched_two_steps, tolerance_two_steps, workers_reached):
