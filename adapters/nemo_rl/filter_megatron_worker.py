@@ -23,7 +23,19 @@ each micro-batch then gets zero-weight rows (``sample_mask`` 0: loss and gradien
 
 main adds a split train step (``begin_train_step`` / ``train_microbatch`` / ``finish_train_step``,
 NeMo-RL's data plane) that inlines ``process_global_batch``: it is not filtered, and its first
-micro-batch notes that (``"auto"``) or raises (``True``).
+micro-batch notes that (``"auto"``) or raises (``True``). Its gradient could be filtered exactly: each
+``train_microbatch`` adds its local valid counts from the whole call's data before it asks
+``get_microbatch_iterator``, its loss gets the placeholder ``N = 1`` (raw sums, whose zero-advantage rows
+add exactly 0), ``finish_train_step`` all-reduces the counts over DP once and calls
+``scale_gradients(1 / N)``, and every DP rank gets every call (``Policy.train_microbatches_from_meta``
+shards each slice over all of them), so the wrapped iterator's kept rows and own count would leave all
+of that unchanged. What stops it is the metrics: the kept rows' loss metrics are made honest per
+micro-batch from the global kept-row counts (:func:`.metrics.adjust_kept_rows`), which here exist only
+once ``finish_train_step`` has all-reduced every call's counts, and that step then rescales each metric
+by a denominator looked up by its name (``MetricNormalizer``), which the renamed ``*/kept_rows`` keys do
+not have; and the train call's bracket (:class:`~.state.TrainCall`, which carries the counters to the
+metrics) would have to span separate actor calls. Filtering the gradient without that would log
+dropped-row-free averages as if they were NeMo-RL's.
 """
 
 from __future__ import annotations

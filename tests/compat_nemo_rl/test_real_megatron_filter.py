@@ -7,7 +7,9 @@ through the autograd forward (counted), the loss NeMo-RL reports is unchanged, a
 counters are in its metrics. A planted fault (the naive filter: the kept rows' loss renormalised by
 the kept tokens and rows) fails the same comparison; ``GRPO_PATCHES_PLANTED_FAULT=renormalise``
 plants it in every patched run here (the exactness tests must then fail). Skips without a NeMo-RL
-source (v0.7.0) or Megatron-Bridge on the path.
+source (v0.7.0) or Megatron-Bridge on the path. main's split train step (``begin_train_step`` /
+``train_microbatch`` / ``finish_train_step``, NeMo-RL's data plane) is not filtered: with ``"auto"`` it runs
+NeMo-RL's gradient and ``status()`` says so, with ``True`` it raises before any micro-batch trains.
 
 The gpu tier runs the same tests in bf16 (:mod:`tests.helpers.megatron_tier`) and compares with the noise
 floor: twice what re-batching the same rows moves unpatched (3 rows a micro-batch instead of 2); on the cpu
@@ -76,10 +78,10 @@ def renormalising_filter() -> Iterator[None]:
         WORKER.process_global_batch = original
 
 
-def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF16) -> Run:
-    worker = harness.real_worker(gbs=gbs, mbs=mbs, bf16=bf16)
-    grads = harness.record_grads(worker)
-    rows = [0]
+@contextmanager
+def rows_forwarded(worker: Any, rows: list[int] | None = None) -> Iterator[list[int]]:
+    """``rows`` (a fresh ``[0]`` unless given) counts the rows through ``worker``'s autograd forward inside."""
+    rows = [0] if rows is None else rows
 
     def count(module: Any, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():
@@ -87,13 +89,20 @@ def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF
 
     handle = worker.model.module.register_forward_pre_hook(count, with_kwargs=True)
     try:
+        yield rows
+    finally:
+        handle.remove()
+
+
+def _train(batch: dict, gbs: int, mbs: int, fault: bool = False, bf16: bool = BF16) -> Run:
+    worker = harness.real_worker(gbs=gbs, mbs=mbs, bf16=bf16)
+    grads = harness.record_grads(worker)
+    with rows_forwarded(worker) as rows:
         if fault or (PLANTED_FAULT == "renormalise" and grpo_patches.status()["nemo_rl"]["patched"]):
             with renormalising_filter():
                 result = worker.train(batched(batch), make_loss(TAG))
         else:
             result = worker.train(batched(batch), make_loss(TAG))
-    finally:
-        handle.remove()
     return Run(grads, result["all_mb_metrics"], rows[0])
 
 
@@ -217,3 +226,63 @@ def test_two_data_parallel_ranks_stay_aligned(record_property):
         assert rank["rows_patched"] < rank["rows_base"] == 6, rank
     assert results[0]["microbatches"] == results[1]["microbatches"] < results[0]["microbatches_base"]
     assert sum(r["rows_dropped"] for r in results) > 0
+
+
+SPLIT_STEP = hasattr(WORKER.MegatronPolicyWorkerImpl, "begin_train_step")  # main: NeMo-RL's data plane
+
+
+def _split_train(batch: dict, gbs: int, mbs: int, chunks: int, rows: list[int] | None = None) -> Run:
+    """main's split train step on the real worker, as the data plane drives it: per global batch of ``gbs``
+    rows ``begin_train_step``, ``train_microbatch`` on ``chunks`` consecutive slices, ``finish_train_step``
+    (its deferred all-reduce of the valid counts, ``scale_gradients(1 / N)`` and the relocated
+    ``finalize_model_grads``, which Megatron-Bridge binds on the model config); ``rows`` gets the rows
+    through the autograd forward as they go (read after an error)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    worker = harness.real_worker(gbs=gbs, mbs=mbs)
+    worker.cfg["megatron_cfg"]["distributed_data_parallel_config"] = {"overlap_grad_reduce": False}
+    worker.model.config.finalize_model_grads_func = finalize_model_grads
+    grads = harness.record_grads(worker)
+    metrics: dict[str, list] = {}
+    loss_fn = make_loss(TAG)
+    data = batched(batch)
+    size = gbs // chunks
+    try:
+        with rows_forwarded(worker, rows) as rows:
+            for start in range(0, int(data["input_ids"].shape[0]), gbs):
+                worker.begin_train_step(loss_fn, gbs=gbs, mbs=mbs)
+                for chunk in range(start, start + gbs, size):
+                    worker.train_microbatch(data.slice(chunk, chunk + size))
+                for key, values in worker.finish_train_step()["all_mb_metrics"].items():
+                    metrics.setdefault(key, []).extend(values)
+    finally:
+        worker.abort_train_step()  # a no-op after finish; drops a step an error left open
+    return Run(grads, metrics, rows[0])
+
+
+@pytest.mark.skipif(not SPLIT_STEP, reason="main's split train step (begin / train_microbatch / finish)")
+def test_split_train_step_auto_notes_and_true_refuses_before_training(unpatched, enabled, tolerance,
+                                                                      record_property):
+    """main's split train step runs unfiltered on the real worker: ``"auto"`` says so in ``status()`` and
+    leaves the gradient NeMo-RL's (the split step unpatched; and within fp32 of ``train()``'s, which divides
+    each micro-batch by the global counts instead of the summed gradient once); ``True`` raises the one
+    clear error at the first ``train_microbatch``, before any micro-batch trains."""
+    base = _split_train(make_batch(rows=12), gbs=6, mbs=2, chunks=3)
+    assert len(base.step_grads) == 2 and base.rows_forwarded == 12
+    train_rel = _max_rel(base, unpatched)
+    record_property("megatron_split_step_vs_train_grad_rel", train_rel)
+    assert train_rel <= tolerance.grad, (train_rel, tolerance)
+    enabled(zero_advantage_filter="auto")
+    noted = _split_train(make_batch(rows=12), gbs=6, mbs=2, chunks=3)
+    note = grpo_patches.status()["nemo_rl"]["notes"]["zero_advantage_filter"]
+    assert "split train step" in note and "unfiltered" in note, note
+    error = _max_rel(noted, base)
+    record_property("exact_megatron_split_step_auto_grad_rel", error)
+    assert error <= tolerance.grad and noted.rows_forwarded == 12, (error, tolerance)
+    assert sum(noted.metrics["loss"]) == pytest.approx(sum(base.metrics["loss"]), abs=tolerance.loss)
+    grpo_patches.disable("nemo_rl")
+    enabled(zero_advantage_filter=True)
+    forwarded = [0]
+    with pytest.raises(IncompatibleOptionsError, match="split train step") as raised:
+        _split_train(make_batch(rows=12), gbs=6, mbs=2, chunks=3, rows=forwarded)
+    assert any(entry.name == "train_microbatch" for entry in raised.traceback) and forwarded == [0]

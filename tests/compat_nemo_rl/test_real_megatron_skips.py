@@ -1,25 +1,30 @@
-"""The log-prob skips with NeMo-RL v0.7.0's real Megatron policy worker, on a CPU.
+"""The log-prob skips with NeMo-RL's real Megatron policy worker (v0.6.0, v0.7.0, main), on a CPU.
 
 A real ``Policy`` (built without its ``__init__``, which needs a Ray cluster) drives the real
 ``MegatronPolicyWorkerImpl`` (:mod:`tests.helpers.nemo_rl_megatron_harness`) through an
 in-process worker group: ``Policy.get_logprobs`` / ``Policy.train`` shard the batch as NeMo-RL
 does and hand the worker its shard, and the loss travels pickled, as Ray sends it. A small loop
-takes each rollout batch through what ``grpo_train`` (v0.7.0) does around the pass: it asks
+takes each rollout batch through what the tag's ``grpo_train`` does around the pass: v0.7.0+ asks
 ``opd._skip_prev_logprobs``, puts zeros in ``prev_logprobs`` when told to skip or runs
-``Policy.get_logprobs`` otherwise, puts zeros in ``reference_policy_logprobs`` (KL 0: NeMo-RL
-builds no reference model), and calls ``Policy.train``. Unpatched, the pass runs every step;
-patched (the loop run through the adapter's ``grpo_train`` wrapper), the adapter's predicate
-skips it and its ``Policy.train`` wrapper puts the loss on its on-policy path. Two steps:
-the gradient before each optimizer step equal (fp32, rel <= 1e-6), the passes saved counted.
-Planted faults: the on-policy switch left off (the loss reads the zero placeholder: the
-gradients differ), and the switch lost on the way to the loss (the placeholder guard raises).
+``Policy.get_logprobs`` otherwise; v0.6.0 always calls ``Policy.get_logprobs`` (the adapter's wrapper
+answers zeros without reaching the workers when it skips) and then
+``compute_and_apply_seq_logprob_error_masking``. Both put zeros in ``reference_policy_logprobs`` (KL 0:
+no reference model) and call ``Policy.train``. Unpatched, the pass runs every step;
+patched (the loop run through the adapter's ``grpo_train`` wrapper), the adapter skips it and its
+``Policy.train`` wrapper puts the loss on its on-policy path. Two steps:
+the gradient before each optimizer step equal (fp32, rel <= 1e-6), the passes saved counted (v0.6.0: the
+loss metrics computed from ``prev_logprobs`` equal too, the patched loss's detached current log-probs in the
+placeholder's place). Planted faults: the on-policy switch left off (the loss reads the zero placeholder: the
+gradients differ), and the switch lost on the way to the loss (v0.7.0+: the placeholder guard raises; v0.6.0:
+the patched loss substitutes the placeholder, exact, and fails with that substitution left off).
 
 With two optimizer steps per rollout batch (``recompute``) the adapter defers the pass to
 ``Policy.train`` and runs it on the rows some loss reads (:mod:`grpo_patches.adapters.nemo_rl.prev_rows`):
 the later optimizer step's rows (with a non-zero advantage when the filter drops the others); the
 Megatron worker's loss puts the detached current log-probs in the skipped rows. Gradients of both
 optimizer steps equal, rows of the pass counted; a planted fault (the second optimizer step's rows
-taken for the first's) fails it. ``Policy.prepare_for_lp_inference`` / ``prepare_for_training``
+taken for the first's) fails it. Covered on v0.7.x only: v0.6.0 and main run the pass on every row, as
+unpatched, with the reason in ``status()`` (tested). ``Policy.prepare_for_lp_inference`` / ``prepare_for_training``
 (GPU off- and onloading around the pass) are not run here.
 Skips without a NeMo-RL source (v0.7.0) or Megatron-Bridge on the path.
 
@@ -44,7 +49,7 @@ import torch
 
 import grpo_patches
 from grpo_patches import savings
-from grpo_patches.adapters.nemo_rl import old_logprobs, prev_rows, train_call
+from grpo_patches.adapters.nemo_rl import loss_call, old_logprobs, prev_rows, train_call
 from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT
 from grpo_patches.errors import PlaceholderError
 from grpo_patches.testing.nemo_rl_cpu import tag
@@ -57,6 +62,7 @@ from tests.helpers.nemo_worker_harness import batched, make_batch, rel
 
 harness.setup()  # skips the module without a NeMo-RL source or Megatron-Bridge
 TAG = tag()
+OLD = TAG == "v0.6.0"  # the prev-logprob pass through Policy.get_logprobs (v0.7.0+: opd._skip_prev_logprobs)
 ROWS = 12  # one rollout batch = one optimizer step (train_global_batch_size): provably on-policy
 LOGPROB_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")  # grpo_train's logprob_data
 
@@ -98,19 +104,27 @@ def real_policy(worker: Any) -> Any:
 
 
 def grpo_steps(policy: Any, loss_fn: Any, master_config: Any, batches: list[dict]) -> list[dict]:
-    """What v0.7.0's ``grpo_train`` does with each rollout batch from its prev-logprob pass to
-    ``Policy.train`` (the pass's predicate, its zero placeholders, KL 0's reference zeros)."""
-    opd = importlib.import_module("nemo_rl.algorithms.opd")
+    """What the tag's ``grpo_train`` does with each rollout batch from its prev-logprob pass to
+    ``Policy.train``: v0.7.0+ asks ``opd._skip_prev_logprobs`` and puts zeros in ``prev_logprobs`` when told
+    to skip; v0.6.0 always calls ``Policy.get_logprobs`` (the adapter answers zeros there when it skips),
+    then ``compute_and_apply_seq_logprob_error_masking`` on the result. KL 0: reference zeros (v0.7.0:
+    NeMo-RL's own skip; v0.6.0: what the adapter's reference skip answers)."""
+    opd = None if OLD else importlib.import_module("nemo_rl.algorithms.opd")
     results = []
     for batch in batches:
         data = batched(batch)
-        if opd._skip_prev_logprobs(master_config):
+        if opd is not None and opd._skip_prev_logprobs(master_config):
             data["prev_logprobs"] = torch.zeros_like(data["generation_logprobs"])
         else:
             logprob_data = type(data)({key: data[key] for key in LOGPROB_KEYS})
-            data["prev_logprobs"] = policy.get_logprobs(logprob_data)["logprobs"]
+            data["prev_logprobs"] = policy.get_logprobs(logprob_data, timer=None)["logprobs"]
         data["reference_policy_logprobs"] = torch.zeros_like(data["prev_logprobs"])
-        results.append(policy.train(data, loss_fn))
+        if OLD:
+            grpo = importlib.import_module("nemo_rl.algorithms.grpo")
+            grpo.compute_and_apply_seq_logprob_error_masking(
+                train_data=data, rewards=torch.ones(int(data["input_ids"].shape[0])),
+                seq_logprob_error_threshold=master_config["grpo"]["seq_logprob_error_threshold"])
+        results.append(policy.train(data, loss_fn, timer=None))
     return results
 
 
@@ -213,6 +227,11 @@ def test_prev_skip_gradients_equal_with_the_passes_saved(unpatched, tolerance, r
         assert result["all_mb_metrics"]["grpo_patches/old_logprob_passes_skipped"] == [1.0]
         assert sum(result["all_mb_metrics"]["loss"]) == pytest.approx(sum(base["all_mb_metrics"]["loss"]),
                                                                      abs=tolerance.loss)
+        if OLD and not BF16:  # v0.6.0's loss computes these from prev log-probs: the patched loss's are the pass's
+            read = [key for key in train_call.PREV_METRICS if key in base["all_mb_metrics"]]
+            assert "token_mult_prob_error" in read
+            for key in read:
+                assert result["all_mb_metrics"][key] == pytest.approx(base["all_mb_metrics"][key], rel=1e-5, abs=1e-6)
 
 
 def test_reference_placeholder_is_not_read_at_kl_zero(unpatched, tolerance):
@@ -241,9 +260,11 @@ def test_planted_fault_on_policy_switch_left_off(unpatched, tolerance, monkeypat
     assert error > max(1e-2, tolerance.grad), (error, tolerance)
 
 
-def test_placeholder_guard_fires_in_the_megatron_worker(monkeypatch):
+def test_placeholder_guard_fires_in_the_megatron_worker(unpatched, tolerance, monkeypatch, record_property):
     """The switch lost on the way to the loss (the step still marked as skipped): the loss's read of
-    the zero placeholder raises instead of training on it."""
+    the zero placeholder raises instead of training on it. v0.6.0's patched loss reads ``prev_logprobs``
+    whatever the switch (importance weights, metrics) and puts the detached current log-probs in the
+    placeholder's place: the gradient stays exact, and with that substitution left off (planted) it does not."""
 
     def marked_only(loss_fn: Any) -> dict:
         saved = {PREV_IS_CURRENT: loss_fn.__dict__.get(PREV_IS_CURRENT, train_call._ABSENT)}
@@ -251,6 +272,13 @@ def test_placeholder_guard_fires_in_the_megatron_worker(monkeypatch):
         return saved
 
     monkeypatch.setattr(train_call, "_flag", marked_only)
+    if OLD:
+        assert _max_rel(_run(patched=True), unpatched) <= tolerance.grad
+        monkeypatch.setattr(loss_call, "_with_prev", lambda data, current: data)  # the loss reads the placeholder
+        error = _max_rel(_run(patched=True), unpatched)
+        record_property("fault_megatron_prev_skip_substitution_off_grad_rel", error)
+        assert error > max(1e-2, tolerance.grad), (error, tolerance)
+        return
     with raised_in_the_worker() as raised:
         _run(patched=True)
     assert raised.match("zero placeholder")
@@ -268,22 +296,40 @@ def tolerance_two_steps(unpatched_two_steps) -> Tolerance:
     return _noise_floor(unpatched_two_steps, gbs=ROWS // 2, mbs=3)
 
 
+#: the cut pass with the Megatron worker is covered on v0.7.x only (other tags: every row, the reason in ``status()``)
+CUT_PASS = TAG == "v0.7.0"
+
+
 @pytest.fixture()
 def workers_reached(monkeypatch, tmp_path):
-    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver. The cut pass
-    with the Megatron worker is covered on v0.7.x only (other tags: every row, the reason in ``status()``)."""
-    from grpo_patches.testing.nemo_rl_cpu import tag
-
-    if tag() != "v0.7.0":
-        pytest.skip(f"not run: the row-subset pass with NeMo-RL {tag()}'s Megatron worker is not covered "
-                    "(prev_rows: every row, the reason in status())")
+    """The workers run in this process, patched: what ``grpo-patches run`` tells the driver."""
     monkeypatch.setenv("GRPO_PATCHES", "nemo_rl")
     monkeypatch.setenv("GRPO_PATCHES_STARTUP_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
 
 
+@pytest.fixture()
+def cut_pass(workers_reached):
+    """The workers reached, on a tag whose cut pass with the Megatron worker is covered."""
+    if not CUT_PASS:
+        pytest.skip(f"not run: the row-subset pass with NeMo-RL {TAG}'s Megatron worker is not covered (the pass "
+                    "runs on every row, the reason in status(): test_uncovered_tag_runs_the_pass_on_every_row)")
+
+
+def test_uncovered_tag_runs_the_pass_on_every_row(unpatched_two_steps, tolerance_two_steps, workers_reached):
+    """v0.6.0 and main: two optimizer steps per rollout batch with ``recompute`` on run the prev-logprob pass on
+    every row, as NeMo-RL does, and ``status()`` says why (the cut pass is covered on v0.7.x only)."""
+    if CUT_PASS:
+        pytest.skip("v0.7.x: the cut pass runs (test_deferred_pass_on_the_rows_a_loss_reads)")
+    patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
+    assert _max_rel(patched, unpatched_two_steps) <= tolerance_two_steps.grad
+    assert patched.logprob_rows == unpatched_two_steps.logprob_rows == [ROWS]
+    note = patched.totals["notes"]["prev_logprobs"]
+    assert note.startswith("runs:") and "Megatron policy worker (covered on v0.7.x only)" in note, note
+
+
 @pytest.mark.parametrize("zero_filter", [True, False], ids=["filter", "no-filter"])
-def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps, tolerance_two_steps, workers_reached,
+def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps, tolerance_two_steps, cut_pass,
                                                 record_property):
     patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": zero_filter})
     error = _max_rel(patched, unpatched_two_steps)
@@ -303,7 +349,7 @@ def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps
         assert patched.results[0]["all_mb_metrics"]["grpo_patches/rows_dropped"] == [6.0]  # 3 per optimizer step
 
 
-def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, tolerance_two_steps, workers_reached,
+def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, tolerance_two_steps, cut_pass,
                                                             monkeypatch, record_property):
     monkeypatch.setattr(prev_rows, "plan", nemo_prev_rows_cases.rows_treated_as_first(ROWS // 2))
     faulty = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
@@ -312,7 +358,7 @@ def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps,
     assert error > (max(1e-2, tolerance_two_steps.grad) if BF16 else 1e-3), (error, tolerance_two_steps)
 
 
-def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(workers_reached, monkeypatch):
+def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(cut_pass, monkeypatch):
     """A row of the later optimizer step marked as a zero-advantage row although its advantage is not
     0 (driver and workers disagreeing): the Megatron worker's loss raises instead of reading its NaN."""
     original = prev_rows.plan
