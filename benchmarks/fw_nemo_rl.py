@@ -1,7 +1,7 @@
 """The cross-framework workload in NeMo-RL, from a source checkout.
 
 v0.7.0 and main: NeMo-RL's own entry point, ``examples/run_grpo.py``, on a Ray cluster of the
-run (:func:`run_entry_point`; how it runs on a CPU: :mod:`grpo_patches.testing.nemo_rl_run_grpo`).
+run (:func:`run_entry_point`; how it runs on a CPU: :mod:`grpo_patches_testing.nemo_rl_run_grpo`).
 
 v0.6.0: one process, no Ray. Real NeMo-RL code: the driver's ``Policy.get_logprobs``,
 ``Policy.get_reference_policy_logprobs`` and ``Policy.train`` (a ``Policy`` built without its
@@ -14,8 +14,8 @@ the real ``DTensorPolicyWorkerV2(Impl)`` ``get_logprobs`` / ``get_reference_poli
 reference log-probs, sequence error metrics, advantages, train). Emulated: the loop body
 itself, ``grpo.setup`` (the config it leaves: one optimizer step per rollout batch, KL
 penalty 0; v0.7.0+ then skips the reference pass itself, v0.6.0 runs it on a reference copy
-of the initial weights) and the worker's ``__init__`` (:mod:`grpo_patches.testing.nemo_rl_cpu`:
-CPU shim, ``real_worker``; configs and the loss per tag from :mod:`grpo_patches.testing.nemo_rl_tags`); ``prepare_for_lp_inference`` / ``prepare_for_training``
+of the initial weights) and the worker's ``__init__`` (:mod:`grpo_patches_testing.nemo_rl_cpu`:
+CPU shim, ``real_worker``; configs and the loss per tag from :mod:`grpo_patches_testing.nemo_rl_tags`); ``prepare_for_lp_inference`` / ``prepare_for_training``
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 ``grpo.grpo_train`` around the emulated setup and loop (that is how the adapter knows it is
@@ -89,7 +89,7 @@ def _worker(tag: str, spec: dict[str, Any], reference: bool) -> Any:
     import torch
 
     from grpo_patches.demo import tiny_model
-    from grpo_patches.testing import nemo_rl_cpu as harness
+    from grpo_patches_testing import nemo_rl_cpu as harness
 
     rows = spec["prompts"] * spec["generations"]
     worker = harness.real_worker(tag, rows, spec["micro_rows"])
@@ -123,7 +123,7 @@ def _setup(tag: str, spec: dict[str, Any], patched: bool) -> tuple[Any, Any]:
     model decided as ``setup`` / ``Policy.__init__`` decide (through the adapter's wrappers when patched)."""
     from nemo_rl.models.policy.lm_policy import Policy
 
-    from grpo_patches.testing.nemo_rl_tags import master_config
+    from grpo_patches_testing.nemo_rl_tags import master_config
 
     old = tag in ("v0.5.0", "v0.6.0")
     rows = spec["prompts"] * spec["generations"]
@@ -227,7 +227,7 @@ TRAINER_SIDE = ("logprob_inference_prep", "policy_and_reference_logprobs", "trai
 def _shape(spec: dict[str, Any]) -> Any:
     """The workload as an end-to-end run's shape: the first ``saturated`` prompts uniform (every
     sample right, or every one wrong: advantage exactly 0), the others mixed."""
-    from grpo_patches.testing import nemo_rl_run_grpo as e2e
+    from grpo_patches_testing import nemo_rl_run_grpo as e2e
 
     patterns = tuple(("all", "none")[i % 2] if i < spec["saturated"] else "even" for i in range(spec["prompts"]))
     return e2e.Shape(prompts_per_step=spec["prompts"], samples=spec["generations"], steps=spec["steps"],
@@ -238,14 +238,14 @@ def _shape(spec: dict[str, Any]) -> Any:
 
 def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     """v0.7.0 / main: NeMo-RL's ``examples/run_grpo.py`` itself, as the end-to-end cells run it
-    (:mod:`grpo_patches.testing.nemo_rl_run_grpo`: a Ray cluster of this run, the DTensor worker as a Ray actor,
+    (:mod:`grpo_patches_testing.nemo_rl_run_grpo`: a Ray cluster of this run, the DTensor worker as a Ray actor,
     the CPU stand-ins); patched runs start it through ``grpo-patches run`` (default options).
     Times are NeMo-RL's own timers per step (:data:`TRAINER_SIDE`; ``generation`` apart)."""
     import shutil
     import tempfile
 
     from grpo_patches import registry
-    from grpo_patches.testing import nemo_rl_run_grpo as e2e
+    from grpo_patches_testing import nemo_rl_run_grpo as e2e
 
     shape = _shape(spec)
     root = Path(tempfile.mkdtemp(prefix="nemo-bench-"))
@@ -294,7 +294,7 @@ def _workers_in_this_process(verify_every: int | None) -> None:
 
 
 def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
-    from grpo_patches.testing import nemo_rl_cpu as harness
+    from grpo_patches_testing import nemo_rl_cpu as harness
 
     if harness.tag() in ("v0.7.0", "main"):
         harness.need_worker()
@@ -310,7 +310,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     import grpo_patches
     from grpo_patches import registry
     from grpo_patches.demo import tiny_model
-    from grpo_patches.testing.nemo_rl_tags import make_loss
+    from grpo_patches_testing.nemo_rl_tags import make_loss
 
     if patched:
         _workers_in_this_process(spec.get("verify_every"))

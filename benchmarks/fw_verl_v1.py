@@ -5,7 +5,7 @@ engine workers in Ray), as a user runs it.
 Each run starts a Ray cluster of its own, runs ``main_ppo`` on it (``GRPO_PATCHES=verl`` for the
 patched run, the defaults), and stops it. verl's GRPO config as the legacy row's: KL loss on at
 coefficient 0, one mini-batch, one epoch, SGD; FSDP2 in fp32 on the CPU platform and the CPU
-stand-in rollout of the end-to-end tests (``grpo_patches/testing/verl_main_ppo_plugin.py``: no rollout backend of
+stand-in rollout of the end-to-end tests (``tests/grpo-patches-testing/grpo_patches_testing/verl_main_ppo_plugin.py``: no rollout backend of
 verl runs on CPU), whose completions are pseudo-random tokens seeded by (step, prompt, sample):
 both runs train on the same rollouts, and generation costs next to nothing. The prompts are the
 workload's, repeated every step; :func:`compute_score` is ``workload.reward`` (the saturated
@@ -59,7 +59,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     version = metadata.version("verl")
     if Version(version) < Version("0.9"):
         return {"not_run": f"verl {version}: the V1 trainer runner needs verl 0.9+ (the legacy row runs 0.6-0.7)"}
-    from grpo_patches.testing import verl_main_ppo as e2e
+    from grpo_patches_testing import verl_main_ppo as e2e
 
     load = e2e.Workload(prompts=spec["prompts"], samples=spec["generations"], steps=spec["steps"], max_prompt=32,
                         max_response=spec["completion_tokens"], micro_rows=spec["micro_rows"], lr=spec["lr"],

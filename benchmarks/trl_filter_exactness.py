@@ -1,6 +1,6 @@
 """How exact is the TRL zero-advantage filter? One optimizer step's gradient, filter off vs on.
 
-The tiny model (:mod:`grpo_patches.testing.trl_train`: TRL 1.16 GRPOTrainer, GA=3, steps_per_generation=2, half the
+The tiny model (:mod:`grpo_patches_testing.trl_train`: TRL 1.16 GRPOTrainer, GA=3, steps_per_generation=2, half the
 prompts with identical rewards), one SGD step, the accumulated gradient before the optimizer
 step (``max_grad_norm=0``), relative L2 over all parameters, in fp32 and with ``bf16=True``
 (GRPOConfig's default, autocast on CPU). Next to it, the noise of merely re-batching the same
@@ -23,7 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 from grpo_patches.demo import tiny_model
-from grpo_patches.testing.trl_train import train
+from grpo_patches_testing.trl_train import train
 
 OFF = dict(recompute=False, logprob_skip=False, zero_advantage_filter=False, tiled_loss=False)
 COMMON = dict(steps=1, reward_funcs=tiny_model.reward_constant_per_prompt, optim="sgd", max_grad_norm=0.0)

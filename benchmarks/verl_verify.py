@@ -1,7 +1,7 @@
 """The cost of a verify step on verl's engine line (0.8+): patched vs patched with ``verify_every=1``.
 
 verl's own ``TrainingWorker.train_mini_batch`` (FSDP2 engine, ``ppo_loss``) on CPU in fp32, the
-CPU platform of the tests (``grpo_patches/testing/verl_cpu_shim.py``), a Qwen2-style model built from a
+CPU platform of the tests (``tests/grpo-patches-testing/grpo_patches_testing/verl_cpu_shim.py``), a Qwen2-style model built from a
 config (no download), one rollout batch per update with half the rows at advantage exactly 0,
 two mini-batches (two optimizer steps) per update. Variants, timed round-robin in one process
 after a warm-up update of each: ``patched`` (the defaults: zero-advantage filter) and
@@ -45,8 +45,8 @@ def _batch(spec: dict, skip: bool):
     from verl.workers.utils.padding import left_right_2_no_padding
 
     from grpo_patches.adapters.verl import placeholder
-    from grpo_patches.testing import verl_actor_runs as h
-    from grpo_patches.testing import verl_engine_runs as engine_runs
+    from grpo_patches_testing import verl_actor_runs as h
+    from grpo_patches_testing import verl_engine_runs as engine_runs
 
     rows = spec["rows"]
     batch = h.make_batch(rows=rows, zero_rows=tuple(range(0, rows, 2)), prompt=spec["prompt"],
@@ -74,9 +74,9 @@ def main() -> None:
 
     import torch
 
-    from grpo_patches.testing import verl_actor_runs as h
+    from grpo_patches_testing import verl_actor_runs as h
 
-    from grpo_patches.testing import verl_engine_runs as engine_runs
+    from grpo_patches_testing import verl_engine_runs as engine_runs
 
     torch.set_num_threads(2)
     engine_runs.engine_setup()

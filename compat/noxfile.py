@@ -111,7 +111,7 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
             session.install("-c", pins, "--no-deps", *map(str, prepare_checkouts(cell)))
         extra = cell.gpu_install if tier == "gpu" else ()
         session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
-    session.install("--no-deps", "-e", str(ROOT))
+    session.install("--no-deps", "-e", str(ROOT), "-e", str(ROOT / "tests" / "grpo-patches-testing"))  # the project, its test kit
     RESULTS.mkdir(parents=True, exist_ok=True)
     _venv_note(cell).write_text(str(session.virtualenv.location))  # where the e2e tier finds this cell's venv
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_PATCHES_TIER": tier, **cell.env}
@@ -189,7 +189,7 @@ def ray_startup(session: nox.Session) -> None:
 
     The bare worker venv (ray, wrapt, packaging only) is made once under .cache/ (gitignored)."""
     session.install("-c", str(CONSTRAINTS), f"ray=={RAY}", "pytest", "pluggy", "wrapt", "packaging")
-    session.install("--no-deps", "-e", str(ROOT))
+    session.install("--no-deps", "-e", str(ROOT), "-e", str(ROOT / "tests" / "grpo-patches-testing"))  # the project, its test kit
     bare = ROOT / ".cache" / f"ray-worker-bare-py{RAY_PYTHON}-ray{RAY}"
     python = bare / "bin" / "python"
     if not (bare / ".ready").exists():

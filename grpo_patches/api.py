@@ -300,6 +300,17 @@ def _record_states(state: _Enabled) -> list[dict[str, Any]]:
     return rows
 
 
+def _stacks(state: _Enabled) -> dict[str, list[str]]:
+    """Each patched attribute's wrappers as they run, outermost first (a later record wraps an
+    earlier one): ``{"module:Class.method": ["package.module:wrapper (option)", ...]}``."""
+    stacks: dict[str, list[str]] = {}
+    for patch in reversed(state.order):
+        target = patch.target
+        stacks.setdefault(target.name, []).append(
+            target.wrapper_name + (f" ({target.option})" if target.option else ""))
+    return dict(sorted(stacks.items()))
+
+
 def _summary(framework: str, applied: list[str], waiting: list[str]) -> str:
     """``status()``'s state of an enabled framework in words: a record waiting for its module
     to be imported is not a failure (``import trl`` alone imports no trainer module)."""
@@ -319,8 +330,9 @@ def status() -> dict[str, dict[str, Any]]:
     """Per framework: installed version, supported or why not, what is patched (per record),
     options, notes and savings, and which process this is (workers report their own).
 
-    An enabled framework also has ``summary`` (its state in words) and ``waiting_for``: the
-    modules whose records apply when they are imported (``pending_import`` is then true).
+    An enabled framework also has ``summary`` (its state in words), ``waiting_for``: the
+    modules whose records apply when they are imported (``pending_import`` is then true), and
+    ``stacks``: each patched attribute's wrappers in the order they run, outermost first.
     """
     report: dict[str, dict[str, Any]] = {}
     process = f"pid {os.getpid()} ({sys.executable})"
@@ -365,6 +377,7 @@ def status() -> dict[str, dict[str, Any]]:
                 by_class={name: dict(notes) for name, notes in state.by_class.items()},
                 targets=[p.target.name for p in state.order],
                 patches=_record_states(state),
+                stacks=_stacks(state),
                 not_applicable=[o for o in OPTIMIZATIONS if o in adapter.inapplicable(state.version)],
                 switched_off=dict(state.switched_off),
             )

@@ -18,6 +18,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from grpo_patches import passthrough
 from grpo_patches.caller_frame import transparent
 from grpo_patches.errors import UnsupportedFrameworkError
 
@@ -61,6 +62,19 @@ class PatchTarget:
     def name(self) -> str:
         return f"{self.module}:{self.attribute}"
 
+    @property
+    def passes_through(self) -> bool:
+        """Whether the record stands aside while verify mode runs the framework's unpatched
+        computation (:mod:`grpo_patches.passthrough`): every record but verify mode's own."""
+        return self.option != "verify_every"
+
+    @property
+    def wrapper_name(self) -> str:
+        """The wrapper as ``status()`` shows it (``"package.module:function"``)."""
+        if isinstance(self.wrapper, str):
+            return self.wrapper
+        return f"{getattr(self.wrapper, '__module__', '?')}:{getattr(self.wrapper, '__qualname__', repr(self.wrapper))}"
+
     def applies_to(self, version: Version) -> bool:
         return self.versions is None or SpecifierSet(self.versions).contains(version, prereleases=True)
 
@@ -68,10 +82,34 @@ class PatchTarget:
         if callable(self.wrapper):
             return self.wrapper
         module, _, qualname = self.wrapper.partition(":")
-        found: Any = importlib.import_module(module)
+        found: Any = sys.modules.get(module) or importlib.import_module(module)
         for part in qualname.split("."):
             found = getattr(found, part)
         return found
+
+
+class RecordCall:
+    """A record's wrapper as applied: it passes straight through while the framework's
+    unpatched computation runs (:mod:`grpo_patches.passthrough`; verify mode's own records
+    excepted), and a wrapper named by string is looked up at each call, never cached (the
+    module's current function, as the record names it: a test's planted fault is seen at once)."""
+
+    __slots__ = ("framework", "target")
+
+    def __init__(self, framework: str, target: PatchTarget) -> None:
+        self.framework = framework
+        self.target = target
+
+    def __call__(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        if self.target.passes_through and passthrough.active(self.framework):
+            return wrapped(*args, **kwargs)
+        return self.target.load_wrapper()(wrapped, instance, args, kwargs)
+
+    def __reduce__(self) -> tuple:
+        return RecordCall, (self.framework, self.target)
+
+    def __repr__(self) -> str:
+        return f"RecordCall({self.framework!r}, {self.target.wrapper_name!r})"
 
 
 class _ModuleByName:
@@ -161,7 +199,8 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
     """Resolve every target (and its wrapper) first, then apply them all in order.
 
     The targets' modules must be imported. Two records on one attribute stack: the later
-    wraps the earlier. A record with ``caller_frame`` hands its wrapper the original as an
+    wraps the earlier. Every wrapper is applied as a :class:`RecordCall` (verify mode's
+    pass-through, the wrapper looked up by name at each call). A record with ``caller_frame`` hands its wrapper the original as an
     :class:`~grpo_patches.caller_frame.OriginalCall` (the framework's warnings keep the user's
     frame); every other wrapper gets the original itself.
 
@@ -169,20 +208,20 @@ def apply_targets(framework: str, version: Version, supported: str, targets: Seq
         target that cannot be found; nothing is applied then.
     """
     problems: list[str] = []
-    wrappers = []
     for target in targets:
         try:
             _resolve(target)
-            wrappers.append(target.load_wrapper())
+            target.load_wrapper()  # a wrapper that cannot be found is an error now, not at its first call
         except (ImportError, AttributeError) as exc:
             declared = target.versions or supported
             problems.append(f"{target.name} not found ({type(exc).__name__}: {exc}); declared for {declared}")
     if problems:
         raise unsupported(framework, version, supported, problems)
     applied = []
-    for target, wrapper in zip(targets, wrappers):
+    for target in targets:
         parent, attribute, original, owned = _resolve(target)  # again: stacked records see the earlier proxy
-        fn = transparent(wrapper) if target.caller_frame else wrapper
+        call = RecordCall(framework, target)
+        fn = transparent(call) if target.caller_frame else call
         if target.pickle_by_reference:
             proxy = ReferenceProxy(original, fn, target.module, target.attribute)
         else:

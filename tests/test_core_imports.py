@@ -1,6 +1,7 @@
-"""The core never imports a framework: every module of ``grpo_patches`` except the demo and
-testing sub-packages (which run the frameworks) imports without trl, transformers or any other
-framework, and none of them imports those sub-packages, save the command line (which runs the demo).
+"""The core never imports a framework: every module of ``grpo_patches`` except the demo
+sub-package (which runs TRL) imports without trl, transformers or any other framework, and none
+of them imports the demo (save the command line, which runs it) or the test kit
+(``grpo_patches_testing``, a distribution of its own).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpo_patches
 PACKAGE = Path(grpo_patches.__file__).resolve().parent
 FRAMEWORKS = ("trl", "transformers", "accelerate", "datasets", "tokenizers", "verl", "nemo_rl", "nemo_automodel")
 DEMO = "grpo_patches.demo"
-TESTING = "grpo_patches.testing"  # what the end-to-end tests and the benchmarks share
+TESTING = "grpo_patches_testing"  # the test kit: what the end-to-end tests and the benchmarks share
 SIDE = (DEMO, TESTING)
 
 
@@ -26,7 +27,7 @@ def _side(name: str) -> bool:
 
 
 def core_modules() -> list[str]:
-    """Every module under grpo_patches/ outside the demo and testing sub-packages, and the adapters' patch
+    """Every module under grpo_patches/ outside the demo sub-package, and the adapters' patch
     tables (the registry imports them to list what each framework would patch)."""
     names = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -75,11 +76,12 @@ def test_only_the_command_line_refers_to_the_demo_and_nothing_to_testing():
     """Statically too: a lazy import inside a function would not show in the test above."""
     referring = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).parts[0] in {s.split(".")[1] for s in SIDE}:
-            continue  # the side sub-packages themselves (testing runs the demo's tiny model)
+        if path.relative_to(PACKAGE).parts[0] == DEMO.split(".")[1]:
+            continue  # the demo itself
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(_side(n) for n in names):
                 referring.append((path.relative_to(PACKAGE).as_posix(), next(n for n in names if _side(n))))
-    assert {(p, n.split(".")[1]) for p, n in referring} == {("cli.py", "demo")}, referring
+    assert referring and {p for p, _ in referring} == {"cli.py"}, referring  # the command line runs the demo
+    assert all(n == DEMO or n.startswith(DEMO + ".") for _, n in referring), referring  # and nothing imports the kit

@@ -73,8 +73,8 @@ def test_the_wheel_built_from_the_sdist_installs_and_patches(wheel_from_sdist, t
     assert (purelib / "grpo_patches_startup.pth").is_file(), "the start-up .pth is not at the site-packages root"
     assert (purelib / "grpo_patches" / "adapters" / "trl" / "__init__.py").is_file()
     assert (purelib / "grpo_patches" / "demo" / "compare.py").is_file()  # the demo's sub-package
-    assert (purelib / "grpo_patches" / "testing" / "verl_main_ppo.py").is_file()  # the runners tests and benchmarks share
-    assert (purelib / "grpo_patches" / "testing" / "nemo_rl_startup" / "sitecustomize.py").is_file()  # package data
+    assert not (purelib / "grpo_patches" / "testing").exists(), "the test kit is its own distribution"
+    assert not (purelib / "grpo_patches_testing").exists(), "the test kit is its own distribution"
     assert not (purelib / "adapters").exists(), "adapters must install as grpo_patches.adapters only"
     (dist_info,) = purelib.glob(f"grpo_patches-{grpo_patches.__version__}.dist-info")
     assert (dist_info / "licenses" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()

@@ -301,3 +301,64 @@ def test_two_records_on_one_attribute_stack_and_unwind_exactly():
         assert module.Thing.__dict__["f"] is original
     finally:
         del sys.modules["stacked_mod"]
+
+
+def test_every_record_but_verify_modes_own_passes_through_while_the_unpatched_computation_runs():
+    """Verify mode's pass-through is record-level behaviour of the core: no adapter checks a flag."""
+    import types
+
+    from packaging.version import Version
+
+    from grpo_patches import passthrough
+    from grpo_patches.patching import PatchTarget, apply_targets, restore_all
+
+    module = types.ModuleType("through_mod")
+    module.Thing = type("Thing", (), {"f": lambda self: "f"})
+    sys.modules["through_mod"] = module
+    try:
+        filt = PatchTarget("through_mod", "Thing.f", lambda w, i, a, k: "filter(" + w(*a, **k) + ")",
+                           option="zero_advantage_filter")
+        check = PatchTarget("through_mod", "Thing.f", lambda w, i, a, k: "verify(" + w(*a, **k) + ")",
+                            option="verify_every")
+        applied = apply_targets("through", Version("1.0"), ">=1", [filt, check])
+        assert module.Thing().f() == "verify(filter(f))"
+        with passthrough.unpatched("through"):
+            assert passthrough.active("through") and not passthrough.active("other")
+            assert module.Thing().f() == "verify(f)"  # the filter stands aside, verify mode watches
+            with passthrough.unpatched("other"):
+                assert module.Thing().f() == "verify(f)"  # nested: still this framework's
+        with passthrough.unpatched("other"):
+            assert module.Thing().f() == "verify(filter(f))"  # another framework's computation
+        assert not passthrough.active("through")
+        restore_all(applied)
+    finally:
+        del sys.modules["through_mod"]
+
+
+def test_a_wrapper_named_by_string_is_looked_up_at_each_call(monkeypatch):
+    """A planted fault (the module's function replaced after enable) is what runs."""
+    import types
+
+    from packaging.version import Version
+
+    from grpo_patches.patching import PatchTarget, apply_targets, restore_all
+
+    module = types.ModuleType("named_mod")
+    module.Thing = type("Thing", (), {"f": lambda self: "f"})
+    wrappers = types.ModuleType("named_wrappers")
+    wrappers.wrap = lambda w, i, a, k: "good(" + w(*a, **k) + ")"
+    monkeypatch.setitem(sys.modules, "named_mod", module)
+    monkeypatch.setitem(sys.modules, "named_wrappers", wrappers)
+    applied = apply_targets("named", Version("1.0"), ">=1", [PatchTarget("named_mod", "Thing.f", "named_wrappers:wrap")])
+    assert module.Thing().f() == "good(f)"
+    monkeypatch.setattr(wrappers, "wrap", lambda w, i, a, k: "planted(" + w(*a, **k) + ")")
+    assert module.Thing().f() == "planted(f)"
+    restore_all(applied)
+
+
+def test_status_shows_each_attributes_stack_outermost_first(fakefw):
+    grpo_patches.enable("fakefw", tiled_loss=True)
+    stacks = grpo_patches.status()["fakefw"]["stacks"]
+    assert set(stacks) >= {"fakefw.trainer:Trainer.step", "fakefw.trainer:helper"}
+    assert all(isinstance(s, list) and s for s in stacks.values())
+    assert any("(tiled_loss)" in w for w in stacks["fakefw.trainer:helper"])

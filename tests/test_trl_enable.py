@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, sys
 import grpo_patches
-from grpo_patches.testing.trl_train import train
+from grpo_patches_testing.trl_train import train
 before = grpo_patches.status()["trl"]
 trl_imported_before = "trl" in sys.modules
 result = train(None, steps=1)

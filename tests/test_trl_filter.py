@@ -26,7 +26,7 @@ pytest.importorskip("trl")
 
 from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
 
-from grpo_patches.testing.trl_train import require_loss_type, train  # noqa: E402
+from grpo_patches_testing.trl_train import require_loss_type, train  # noqa: E402
 from tests.helpers.trl_runs import (  # noqa: E402
     EXACT_METRICS, FORWARD_METRICS, LOSS_TYPES, ONLY_FILTER, assert_close_or_none, assert_same_metrics, run,
 )

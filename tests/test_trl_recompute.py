@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 
 from grpo_patches.hookspecs import hookimpl  # noqa: E402
 from grpo_patches.adapters.trl.schedule import simulate, trl_steps_per_epoch  # noqa: E402
-from grpo_patches.testing.trl_train import train  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

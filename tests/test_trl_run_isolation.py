@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from grpo_patches.testing.trl_train import train  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
 
 
 def test_an_fp32_run_after_a_bf16_run_is_fp32():

@@ -21,7 +21,7 @@ from packaging.version import Version  # noqa: E402
 from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import IncompatibleOptionsError  # noqa: E402
 from tests.helpers.trl_runs import EXACT_METRICS, assert_same_metrics, gmpo_class  # noqa: E402
-from grpo_patches.testing.trl_train import train  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
 
 COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd",
               count_forwards=True)

@@ -28,7 +28,7 @@ from grpo_patches.errors import IncompatibleOptionsError, UnsupportedFrameworkEr
 from tests.helpers.trl_runs import EXACT_METRICS, assert_close_or_none, assert_same_metrics, needs_tiled  # noqa: E402
 from tests.helpers.trl_runs import run as upstream_or_filter_run  # noqa: E402
 from tests.helpers import tiny_variants  # noqa: E402
-from grpo_patches.testing.trl_train import require_loss_type, train  # noqa: E402
+from grpo_patches_testing.trl_train import require_loss_type, train  # noqa: E402
 
 BASE = dict(recompute=False, logprob_skip=False, zero_advantage_filter=False)
 COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")

@@ -26,7 +26,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from grpo_patches.demo import tiny_model  # noqa: E402
 from tests.helpers.trl_runs import needs_tiled  # noqa: E402
-from grpo_patches.testing.trl_train import train  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
 
 BASE = dict(recompute=False, logprob_skip=False, zero_advantage_filter=False)
 COMMON = dict(steps=1, reward_funcs=tiny_model.reward_constant_per_prompt, optim="sgd", max_grad_norm=0.0)

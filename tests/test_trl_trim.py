@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from grpo_patches.demo import tiny_model  # noqa: E402
-from grpo_patches.testing.trl_train import train  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
 
 ONLY_FILTER = dict(recompute=False, logprob_skip=False, tiled_loss=False)
 CONFIG = dict(steps=3, bf16=False, optim="sgd", learning_rate=0.0, max_grad_norm=0.0, max_completion_length=12,

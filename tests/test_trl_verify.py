@@ -1,6 +1,6 @@
 """Verify mode in TRL's GRPOTrainer: ``trainer.train()`` with ``verify_every`` on the tiny model.
 
-Every run is the harness's (:mod:`grpo_patches.testing.trl_train`): TRL's real entry point, 8 prompts x 4
+Every run is the harness's (:mod:`grpo_patches_testing.trl_train`): TRL's real entry point, 8 prompts x 4
 generations, GA=3 and steps_per_generation=2 (the recompute decision skips TRL's pass for
 every other rollout, the filter defers it for the others), half the prompts with exactly zero
 advantages, SGD in fp32 (``bf16=False``).
@@ -41,7 +41,7 @@ from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, PlaceholderE
 from tests.helpers.faulty_plugins import DropsANonZeroRow  # noqa: E402
 from tests.helpers.trl_runs import gmpo_class, needs_tiled  # noqa: E402
 from tests.helpers.trl_runs import run as filter_test_run  # noqa: E402
-from grpo_patches.testing.trl_train import train  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

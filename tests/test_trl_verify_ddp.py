@@ -40,7 +40,7 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
     from grpo_patches.demo import tiny_model
     from grpo_patches.errors import ExactnessError
     from tests.helpers.faulty_plugins import DropsANonZeroRow
-    from grpo_patches.testing.trl_train import train
+    from grpo_patches_testing.trl_train import train
 
     outcomes: dict = {}
     for scenario in ("correct", "fault"):

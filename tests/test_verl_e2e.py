@@ -26,7 +26,7 @@ import os
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as verl_harness
+from grpo_patches_testing import verl_actor_runs as verl_harness
 
 if verl_harness.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -41,7 +41,7 @@ pytest.importorskip("transfer_queue")
 
 import torch  # noqa: E402
 
-from grpo_patches.testing import verl_main_ppo as e2e  # noqa: E402
+from grpo_patches_testing import verl_main_ppo as e2e  # noqa: E402
 
 TOL = 1e-5
 FULL = os.environ.get("GRPO_E2E_FULL", "") not in ("", "0")

@@ -23,9 +23,9 @@ import os
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_engine_runs as engine_runs
 
 if h.VERL is None or h.line() != "engine" or importlib.util.find_spec("megatron.core") is None \
         or importlib.util.find_spec("mbridge") is None:

@@ -25,7 +25,7 @@ import os
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
 if h.VERL is None or not h.line().startswith("legacy") or importlib.util.find_spec("megatron.core") is None \
         or importlib.util.find_spec("mbridge") is None:

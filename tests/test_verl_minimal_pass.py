@@ -17,9 +17,9 @@ import io
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -27,7 +27,7 @@ if h.VERL is None:
 
 from packaging.version import Version  # noqa: E402
 
-from grpo_patches.testing import verl_minimal_pass as m  # noqa: E402
+from grpo_patches_testing import verl_minimal_pass as m  # noqa: E402
 from tests.helpers import verl_minimal_pass_cases as cases  # noqa: E402
 from tests.helpers.verl_minimal_pass_cases import FILTER, NO_FILTER, TOL  # noqa: E402
 from tests.helpers.verl_minimal_pass_cases import skipped as _skipped  # noqa: E402

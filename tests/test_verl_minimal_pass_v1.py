@@ -14,7 +14,7 @@ import io
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -26,7 +26,7 @@ if Version(h.VERL) < Version("0.9"):
     pytest.skip("the V1 (TransferQueue) trainer is verl 0.9's", allow_module_level=True)
 pytest.importorskip("transfer_queue")
 
-from grpo_patches.testing import verl_minimal_pass_v1 as v1  # noqa: E402
+from grpo_patches_testing import verl_minimal_pass_v1 as v1  # noqa: E402
 from tests.helpers import verl_minimal_pass_cases as cases  # noqa: E402
 from tests.helpers.verl_minimal_pass_cases import FILTER, NO_FILTER, SKIPPED, TOL  # noqa: E402
 

@@ -20,9 +20,9 @@ import os
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_engine_runs as engine_runs
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)
@@ -47,9 +47,9 @@ TRAINERS = {"RayPPOTrainer": [c[0] for c in CASES], "V1": [c[0] for c in CASES[:
 
 def _runner(trainer: str):
     if trainer == "V1":
-        from grpo_patches.testing import verl_minimal_pass_v1 as runner
+        from grpo_patches_testing import verl_minimal_pass_v1 as runner
     else:
-        from grpo_patches.testing import verl_minimal_pass as runner
+        from grpo_patches_testing import verl_minimal_pass as runner
     return runner
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:
@@ -26,7 +26,7 @@ if h.VERL is None:
 import torch  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from grpo_patches.testing import verl_minimal_pass as m  # noqa: E402
+from grpo_patches_testing import verl_minimal_pass as m  # noqa: E402
 
 LEGACY = h.line().startswith("legacy")
 V = Version(h.VERL)

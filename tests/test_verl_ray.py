@@ -18,7 +18,7 @@ import textwrap
 import pytest
 from packaging.version import Version
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)

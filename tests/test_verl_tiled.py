@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_engine_runs as engine_runs
 from tests.helpers.verl_fixtures import process_group  # noqa: F401  (autouse: one process group per module)
 
 if h.VERL is None:

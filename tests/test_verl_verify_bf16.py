@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_engine_runs as engine_runs
 
 if h.VERL is None:
     pytest.skip("verl is not installed (the compat cells install it)", allow_module_level=True)

@@ -1,5 +1,5 @@
 """The ``GRPOConfig`` every tiny TRL run here starts from: the demo's and the tests' (through
-:mod:`grpo_patches.testing.trl_train`), which add their own completion length and learning rate.
+:mod:`grpo_patches_testing.trl_train`), which add their own completion length and learning rate.
 
 4 prompts x 4 generations per micro-batch, ``gradient_accumulation_steps=3`` with
 ``steps_per_generation=2``: misaligned, so upstream TRL recomputes old log-probs on every

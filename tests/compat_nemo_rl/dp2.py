@@ -24,7 +24,7 @@ def _train(rank: int, port: int) -> dict:
     import torch
 
     import grpo_patches
-    from grpo_patches.testing import nemo_rl_cpu as harness
+    from grpo_patches_testing import nemo_rl_cpu as harness
     from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss, max_grad_rel, run_train
 
     torch.set_num_threads(1)
@@ -52,7 +52,7 @@ def _verify(rank: int, port: int) -> dict:
 
     import torch
 
-    from grpo_patches.testing import nemo_rl_cpu as harness
+    from grpo_patches_testing import nemo_rl_cpu as harness
     from tests.helpers import nemo_verify_cases as cases
     from tests.helpers.faulty_plugins import DropsANonZeroRow
     from tests.helpers.nemo_worker_harness import batched, make_batch, max_grad_rel

@@ -26,8 +26,8 @@ def _train(rank: int, port: int) -> dict:
     import torch
 
     import grpo_patches
-    from grpo_patches.testing.nemo_rl_cpu import tag
-    from grpo_patches.testing.nemo_rl_tags import make_loss
+    from grpo_patches_testing.nemo_rl_cpu import tag
+    from grpo_patches_testing.nemo_rl_tags import make_loss
     from tests.helpers import megatron_tier, nemo_rl_megatron_harness as harness
     from tests.helpers.nemo_worker_harness import batched, make_batch, rel
 

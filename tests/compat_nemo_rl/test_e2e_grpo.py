@@ -1,12 +1,12 @@
 """NeMo-RL's GRPO entry point end to end, patched vs unpatched: ``examples/run_grpo.py`` as a user runs it.
 
 Each run is NeMo-RL's own ``examples/run_grpo.py`` with its example config and command-line
-overrides (:mod:`grpo_patches.testing.nemo_rl_run_grpo`): the synchronous ``grpo_train``, the DTensor policy
+overrides (:mod:`grpo_patches_testing.nemo_rl_run_grpo`): the synchronous ``grpo_train``, the DTensor policy
 worker v2 as a real Ray actor in its own venv (found by NeMo-RL's venv lookup), the math
 environment's Ray actors, NeMo-RL's logger (tensorboard). Patched runs start it the way the
 README says, ``grpo-patches run --frameworks nemo_rl --options ... -- python examples/run_grpo.py
 ...``: the worker gets grpo_patches only through the start-up directory on ``PYTHONPATH``. A
-start-up hook (``grpo_patches/testing/nemo_rl_startup/``) stands in for CUDA and vLLM.
+start-up hook (``tests/grpo-patches-testing/grpo_patches_testing/nemo_rl_startup/``) stands in for CUDA and vLLM.
 
 Cases (3 steps, 4 prompts x 4 samples, half the rows at advantage exactly 0, KL penalty 0,
 fp32, SGD): one optimizer step per rollout batch with the default options (prev-logprob pass
@@ -26,8 +26,8 @@ import math
 
 import pytest
 
-from grpo_patches.testing import nemo_rl_cpu as harness
-from grpo_patches.testing import nemo_rl_run_grpo as e2e
+from grpo_patches_testing import nemo_rl_cpu as harness
+from grpo_patches_testing import nemo_rl_run_grpo as e2e
 
 TAG = harness.tag()
 if TAG not in ("v0.7.0", "main"):

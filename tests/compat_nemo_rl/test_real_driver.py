@@ -15,7 +15,7 @@ import torch
 
 import grpo_patches
 from grpo_patches.adapters.nemo_rl.state import ACTIVE_LOOP, LoopState, policy_state
-from grpo_patches.testing import nemo_rl_cpu as harness
+from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.helpers.nemo_fake import master_config
 from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
 

@@ -15,7 +15,7 @@ import torch
 import grpo_patches
 from grpo_patches import registry
 from grpo_patches.plugins import hook
-from grpo_patches.testing import nemo_rl_cpu as harness
+from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.helpers.nemo_fake import READS_AS
 from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss, rel
 

@@ -30,8 +30,8 @@ import torch
 
 import grpo_patches
 from grpo_patches.errors import IncompatibleOptionsError
-from grpo_patches.testing.nemo_rl_cpu import tag
-from grpo_patches.testing.nemo_rl_tags import make_loss
+from grpo_patches_testing.nemo_rl_cpu import tag
+from grpo_patches_testing.nemo_rl_tags import make_loss
 from tests.compat_nemo_rl.megatron_dp2 import run_ranks
 from tests.helpers import nemo_rl_megatron_harness as harness
 from tests.helpers.megatron_tier import BF16, FP32_TOL, skip_unless_gpus

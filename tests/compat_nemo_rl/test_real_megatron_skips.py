@@ -52,8 +52,8 @@ from grpo_patches import savings
 from grpo_patches.adapters.nemo_rl import loss_call, old_logprobs, prev_rows, train_call
 from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT
 from grpo_patches.errors import PlaceholderError
-from grpo_patches.testing.nemo_rl_cpu import tag
-from grpo_patches.testing.nemo_rl_tags import make_loss, master_config
+from grpo_patches_testing.nemo_rl_cpu import tag
+from grpo_patches_testing.nemo_rl_tags import make_loss, master_config
 from tests.helpers import nemo_prev_rows_cases
 from tests.helpers import nemo_rl_megatron_harness as harness
 from tests.helpers.megatron_tier import BF16, FP32_TOL

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_patches.testing.nemo_rl_cpu import tag
-from grpo_patches.testing.nemo_rl_tags import make_loss
+from grpo_patches_testing.nemo_rl_cpu import tag
+from grpo_patches_testing.nemo_rl_tags import make_loss
 from tests.helpers import nemo_rl_megatron_harness as harness
 from tests.helpers.megatron_tier import BF16, tolerance
 from tests.helpers.nemo_worker_harness import batched, make_batch, rel

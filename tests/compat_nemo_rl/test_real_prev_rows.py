@@ -15,7 +15,7 @@ import pytest
 
 import grpo_patches
 from grpo_patches.adapters.nemo_rl import prev_rows
-from grpo_patches.testing import nemo_rl_cpu as harness
+from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.helpers import nemo_prev_rows_cases as cases
 
 TAG = harness.setup()

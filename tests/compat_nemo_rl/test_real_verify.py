@@ -17,7 +17,7 @@ import torch
 
 import grpo_patches
 from grpo_patches.errors import ExactnessError, UnsupportedFrameworkError
-from grpo_patches.testing import nemo_rl_cpu as harness
+from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.compat_nemo_rl.dp2 import run_ranks
 from tests.helpers import nemo_verify_cases as cases
 from tests.helpers.nemo_worker_harness import batched, make_batch

@@ -16,7 +16,7 @@ import pytest
 import grpo_patches
 from tests.helpers import nemo_trim_cases as trim_cases
 from tests.helpers import nemo_worker_cases as cases
-from grpo_patches.testing import nemo_rl_cpu as harness
+from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.compat_nemo_rl.dp2 import run_ranks
 
 TAG = harness.setup()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from grpo_patches.testing.nemo_rl_cpu import cpu_device as _cpu  # "cuda", torch.device("cuda"), a device index -> the CPU
+from grpo_patches_testing.nemo_rl_cpu import cpu_device as _cpu  # "cuda", torch.device("cuda"), a device index -> the CPU
 
 
 class CudaToCpu(TorchFunctionMode):

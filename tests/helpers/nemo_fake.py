@@ -25,7 +25,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from grpo_patches.testing.nemo_rl_tags import master_config  # noqa: F401  (the tests read it here)
+from grpo_patches_testing.nemo_rl_tags import master_config  # noqa: F401  (the tests read it here)
 from tests.helpers.nemo_fake_loss import BATCHED_DATA_DICT, CALL_V05, CALL_V06, LOSS, LOSS_PACKAGE_INIT, LOSS_UTILS, MODEL
 from tests.helpers.nemo_fake_worker import AUTOMODEL_DATA, AUTOMODEL_TRAIN, WORKER_V05, WORKER_V06
 

@@ -13,7 +13,7 @@
 * **megatron-core on a CPU**: :mod:`tests.helpers.megatron_cpu_shim` (as the verl Megatron cells).
 * **The worker without its ``__init__``** (which needs GPUs, Ray and a HF checkpoint converted by
   Megatron-Bridge): :func:`real_worker` builds the pieces ``train`` / ``get_logprobs`` read, as
-  :func:`grpo_patches.testing.nemo_rl_cpu.real_worker` does for the DTensor worker: the model
+  :func:`grpo_patches_testing.nemo_rl_cpu.real_worker` does for the DTensor worker: the model
   wrapped in megatron-core's ``DistributedDataParallel``, megatron-core's optimizer (SGD, no
   clipping) and LR scheduler, a straggler timer, and the worker's flags at their defaults.
 
@@ -39,7 +39,7 @@ import sys
 import types
 from typing import Any
 
-from grpo_patches.testing import skip
+from grpo_patches_testing import skip
 from tests.helpers import megatron_tier
 
 #: Megatron-Bridge modules that import Transformer Engine at module level (Megatron-Bridge 0.6.2; ``peft.lora``:
@@ -156,7 +156,7 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None, tp: int = 1, p
     parallel), megatron-core's parallel state; returns the worker module. Skips (under pytest) without
     a NeMo-RL source or Megatron-Bridge on the path.
     On the gpu tier: no shims, an NCCL group, and the real Transformer Engine where it is installed."""
-    from grpo_patches.testing.nemo_rl_cpu import init_gloo, tag
+    from grpo_patches_testing.nemo_rl_cpu import init_gloo, tag
 
     name = tag()
     if name == "v0.5.0":  # v0.6.0+ measured (compat/README.md, NeMo-RL's Megatron worker)

@@ -3,7 +3,7 @@
 ``run_train`` builds a fresh model, loss and worker, trains one call and returns the
 gradient of every optimizer step, the metrics NeMo-RL returns and how many rows went through
 the model. The stand-in builds its worker directly (:mod:`tests.helpers.nemo_fake`); the real-source
-tests pass their own ``make_worker`` (:func:`grpo_patches.testing.nemo_rl_cpu.real_worker`).
+tests pass their own ``make_worker`` (:func:`grpo_patches_testing.nemo_rl_cpu.real_worker`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from grpo_patches.testing.nemo_rl_tags import make_loss, worker_class  # noqa: F401  (the tests read make_loss here)
+from grpo_patches_testing.nemo_rl_tags import make_loss, worker_class  # noqa: F401  (the tests read make_loss here)
 
 ZERO_ROWS = (1, 2, 5, 8, 9, 10)  # advantage exactly 0 on every token (e.g. all-equal rewards)
 

@@ -14,7 +14,7 @@ import pytest
 from packaging.version import Version
 
 from grpo_patches.demo import tiny_model
-from grpo_patches.testing.trl_train import train
+from grpo_patches_testing.trl_train import train
 
 ONLY_FILTER = dict(recompute=False, logprob_skip=False, tiled_loss=False)
 COMMON = dict(steps=3, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd",

@@ -1,10 +1,10 @@
-"""The verl tests' module-scoped set-up (:func:`grpo_patches.testing.verl_engine_runs.setup_process`)."""
+"""The verl tests' module-scoped set-up (:func:`grpo_patches_testing.verl_engine_runs.setup_process`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_patches.testing.verl_engine_runs import setup_process
+from grpo_patches_testing.verl_engine_runs import setup_process
 
 
 @pytest.fixture(scope="module", autouse=True)

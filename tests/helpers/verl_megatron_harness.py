@@ -1,5 +1,5 @@
 """verl's Megatron engine (0.8+) on a CPU: the real ``TrainingWorker`` / ``MegatronEngineWithLMHead``
-built through mbridge from the tiny Qwen2 of :mod:`grpo_patches.testing.verl_actor_runs`, run in fp32 on gloo.
+built through mbridge from the tiny Qwen2 of :mod:`grpo_patches_testing.verl_actor_runs`, run in fp32 on gloo.
 
 Test-only adjustments, none of them to a verl function:
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from grpo_patches.testing import verl_actor_runs as h
-from grpo_patches.testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_actor_runs as h
+from grpo_patches_testing import verl_engine_runs as engine_runs
 from tests.helpers.megatron_tier import GPU, init_nccl
 
 #: fp32 on CPU (exactness at 1e-6); bf16 on the gpu tier (compared with the re-batching noise floor)
@@ -57,7 +57,7 @@ def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
     from tests.helpers import megatron_cpu_shim
 
     if not GPU:
-        from grpo_patches.testing import verl_cpu_shim
+        from grpo_patches_testing import verl_cpu_shim
 
         megatron_cpu_shim.no_cuda_extension_builds()  # before verl's engine modules import megatron.core
         verl_cpu_shim.install()

@@ -1,6 +1,6 @@
 """verl's legacy Megatron worker (0.6.1-0.7.x) on a CPU: the real ``ActorRolloutRefWorker`` of
 ``verl.workers.megatron_workers`` (role ``"actor"``), built by its own ``init_model`` through mbridge
-from the tiny Qwen2 of :mod:`grpo_patches.testing.verl_actor_runs`, updated by its own ``update_actor`` (fp32, gloo).
+from the tiny Qwen2 of :mod:`grpo_patches_testing.verl_actor_runs`, updated by its own ``update_actor`` (fp32, gloo).
 
 Test-only adjustments, none of them to a verl function body:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 from tests.helpers import verl_megatron_harness as mh
 
 

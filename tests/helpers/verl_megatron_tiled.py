@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
 #: the tiled loss alone (``True``: any setting it cannot reproduce raises before the first micro-batch)
 TILED = {"tiled_loss": True, "zero_advantage_filter": False, "logprob_skip": False}

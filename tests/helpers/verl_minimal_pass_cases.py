@@ -1,6 +1,6 @@
 """The minimal old-logprob pass's cases that verl's v0 trainer (``tests/test_verl_minimal_pass.py``)
 and its V1 twin (``tests/test_verl_minimal_pass_v1.py``) share: each takes the module's ``run``
-(options, then the keywords of :func:`grpo_patches.testing.verl_minimal_pass.run`), so that one
+(options, then the keywords of :func:`grpo_patches_testing.verl_minimal_pass.run`), so that one
 body, planted faults included, serves both trainers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
 FILTER = {"zero_advantage_filter": True}
 NO_FILTER = {"zero_advantage_filter": False}

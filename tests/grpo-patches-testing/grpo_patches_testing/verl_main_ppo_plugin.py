@@ -1,6 +1,6 @@
-"""What an end-to-end verl run on CPU needs in every process it starts (``grpo_patches.testing``).
+"""What an end-to-end verl run on CPU needs in every process it starts (``grpo_patches_testing``).
 
-``VERL_USE_EXTERNAL_MODULES=grpo_patches.testing.verl_main_ppo_plugin`` makes ``import verl`` import this module in
+``VERL_USE_EXTERNAL_MODULES=grpo_patches_testing.verl_main_ppo_plugin`` makes ``import verl`` import this module in
 the driver and in every Ray process (verl's own extension point; no verl file is edited). Each
 shim exists because verl 0.9 has no CPU path for it:
 
@@ -26,13 +26,13 @@ import os
 
 import wrapt
 
-ROLLOUT = "grpo_patches.testing.verl_main_ppo_rollout"
+ROLLOUT = "grpo_patches_testing.verl_main_ppo_rollout"
 NAME = "grpo_e2e_stand_in"  # = verl_main_ppo_rollout.NAME (not imported: that module imports verl)
 OUT_ENV = "GRPO_E2E_OUT"
 
 
 def _platform() -> None:
-    from grpo_patches.testing import verl_cpu_shim
+    from grpo_patches_testing import verl_cpu_shim
 
     verl_cpu_shim.install(ray_resource="GPU")
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
-from grpo_patches.testing import verl_engine_runs as engine_runs
-from grpo_patches.testing import verl_minimal_pass as m
+from grpo_patches_testing import verl_engine_runs as engine_runs
+from grpo_patches_testing import verl_minimal_pass as m
 
 #: The outputs of the pass the update does not read (the real update gets its own forward's).
 _PASS_OUTPUTS = ("log_probs", "entropy")

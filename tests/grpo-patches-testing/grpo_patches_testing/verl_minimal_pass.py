@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from grpo_patches.testing import verl_actor_runs as h
+from grpo_patches_testing import verl_actor_runs as h
 
 
 def trainer_config(*, mini: int, epochs: int = 1, shuffle: bool = False, seed: int = 42, dynamic: bool = False) -> Any:

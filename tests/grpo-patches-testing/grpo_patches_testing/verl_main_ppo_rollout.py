@@ -1,4 +1,4 @@
-"""The CPU stand-in for verl's rollout in the end-to-end runs (``grpo_patches.testing``; verl 0.9 engine line).
+"""The CPU stand-in for verl's rollout in the end-to-end runs (``grpo_patches_testing``; verl 0.9 engine line).
 
 No rollout backend of verl runs on CPU (vLLM / SGLang / TensorRT-LLM servers only), so the
 end-to-end runs plug a stand-in into verl's own extension points. :mod:`verl_main_ppo_plugin`

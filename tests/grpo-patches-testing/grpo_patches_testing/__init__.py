@@ -1,5 +1,6 @@
-"""Running the frameworks' own code on a CPU with a tiny model, patched and unpatched: what the
-end-to-end tests and the benchmarks share (the core never imports this sub-package).
+"""The test kit (distribution ``grpo-patches-testing``, not part of the product's wheel): running
+the frameworks' own code on a CPU with a tiny model, patched and unpatched; what the end-to-end
+tests and the benchmarks share (grpo_patches never imports it).
 
 * verl: :mod:`.verl_cpu_shim` (a CPU platform for verl's engine line), :mod:`.verl_main_ppo`
   (``python -m verl.trainer.main_ppo`` on a Ray cluster of its own, with the stand-in rollout of
@@ -16,6 +17,8 @@ or stands in for hardware a CPU lacks. Nothing here is needed to use grpo_patche
 from __future__ import annotations
 
 from typing import NoReturn
+
+__version__ = "0.1.0"
 
 
 class Unavailable(RuntimeError):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg, line,
+from grpo_patches_testing.verl_actor_runs import (ROWS, ZERO_ROWS, Run, fused_types, grads_of, init_pg, line,
                                                   make_batch, model_dir, patches, rank_rows, trainer_config,
                                                   verl_status)
-from grpo_patches.testing.verl_minimal_pass import legacy_group
+from grpo_patches_testing.verl_minimal_pass import legacy_group
 
 
 def engine_setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:
-    from grpo_patches.testing import verl_cpu_shim
+    from grpo_patches_testing import verl_cpu_shim
 
     verl_cpu_shim.install()  # before anything asks verl for its platform
     init_pg(rank, world, port)

@@ -1,4 +1,4 @@
-# Start-up hook of the NeMo-RL end-to-end runs (grpo_patches.testing.nemo_rl_run_grpo: the e2e cells, the benchmark).
+# Start-up hook of the NeMo-RL end-to-end runs (grpo_patches_testing.nemo_rl_run_grpo: the e2e cells, the benchmark).
 #
 # The cell puts this folder on PYTHONPATH so that every process of the run -- the driver
 # (examples/run_grpo.py) and the Ray workers NeMo-RL starts in their own venv -- runs it. It acts

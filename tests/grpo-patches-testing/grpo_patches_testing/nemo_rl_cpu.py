@@ -17,8 +17,8 @@ import sys
 import types
 from typing import Any
 
-from grpo_patches.testing import skip
-from grpo_patches.testing.nemo_rl_startup.nemo_e2e_cpu import cpu_device  # one CUDA -> CPU map for both shims
+from grpo_patches_testing import skip
+from grpo_patches_testing.nemo_rl_startup.nemo_e2e_cpu import cpu_device  # one CUDA -> CPU map for both shims
 
 TAG_ENV = "NEMO_RL_TAG"
 
@@ -136,7 +136,7 @@ def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, tem
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from grpo_patches.testing.nemo_rl_tags import worker_class
+    from grpo_patches_testing.nemo_rl_tags import worker_class
 
     init_gloo()
     dtype = dtype or torch.float32

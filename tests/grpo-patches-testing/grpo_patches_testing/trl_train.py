@@ -3,7 +3,7 @@
 
 Stable API (the tests rely on it)::
 
-    from grpo_patches.testing.trl_train import train
+    from grpo_patches_testing.trl_train import train
     result = train(patched=True, options={"recompute": True}, steps=4, gradient_accumulation_steps=3)
     result.weights       # {name: tensor} copy of the final state_dict
     result.log_history   # trainer.state.log_history
@@ -223,7 +223,7 @@ def require_loss_type(loss_type: str) -> None:
     """Skip (with the reason) when the installed TRL has no such loss type."""
     import trl
 
-    from grpo_patches.testing import skip
+    from grpo_patches_testing import skip
 
     if loss_type not in installed_loss_types():
         skip(f"TRL {trl.__version__} has no loss_type={loss_type!r}")

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PLUGIN = "grpo_patches.testing.verl_main_ppo_plugin"
-ROLLOUT_MODULE = "grpo_patches.testing.verl_main_ppo_rollout"
+PLUGIN = "grpo_patches_testing.verl_main_ppo_plugin"
+ROLLOUT_MODULE = "grpo_patches_testing.verl_main_ppo_rollout"
 ROLLOUT_FILE = Path(__file__).resolve().with_name("verl_main_ppo_rollout.py")
 #: A chat template for the word-level tokenizer (the agent loop builds every prompt with it).
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}"
