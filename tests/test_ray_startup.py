@@ -53,7 +53,8 @@ def cluster(tmp_path_factory):
     saved, cwd = dict(os.environ), os.getcwd()
     os.chdir(root)  # Ray puts the driver's working directory on the workers' path: not this checkout
     os.environ.update(startup_path.environment(built, "fakefw", environ={"PYTHONPATH": str(site)}))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": a cluster of this test's own, never another one running on the host
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": dict(os.environ)})  # what nemo_rl.distributed.virtual_cluster.init_ray does
     try:
         yield built

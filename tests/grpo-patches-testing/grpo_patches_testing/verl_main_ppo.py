@@ -104,8 +104,8 @@ _HOLDER = """
 import sys, ray
 for attempt in range(3):  # Ray waits 30 s for its raylet: a busy 2-core host can miss that
     try:
-        ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _temp_dir=sys.argv[1], log_to_driver=False,
-                 object_store_memory=256 * 1024 * 1024)
+        ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, _temp_dir=sys.argv[1],
+                 log_to_driver=False, object_store_memory=256 * 1024 * 1024)  # "local": never another cluster
         break
     except Exception as exc:
         ray.shutdown()
