@@ -13,7 +13,7 @@ warm-up update on a few rows, then times one update of the whole batch and the p
 memory it added (VmHWM reset through ``/proc/self/clear_refs`` just before). Reported: medians
 and the ratios to ``fused`` and ``dense`` from the same run, as a table and JSON.
 
-    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_tiled_loss.py   # the README numbers
+    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_tiled_loss.py   # the run in benchmarks/RESULTS.md
     compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_tiled_loss.py --quick   # a smoke run
 
 (that interpreter: verl 0.7.1's compat venv, made by ``bash scripts/run compat``; any venv with

@@ -7,7 +7,7 @@ measurement is its own process (``--worker``), configurations run round-robin, e
 times one update after a small warm-up update. Reported: the median per configuration and the
 ratio patched / unpatched from the same run, as a table, JSON and a PNG chart.
 
-    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_update.py   # the README numbers
+    compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_update.py --hidden 256 --layers 2 --vocab 8192   # the run in benchmarks/RESULTS.md
     compat/.nox/cpu-verl-0-7-1/bin/python benchmarks/verl_update.py --quick   # a smoke run
 
 (that interpreter: verl 0.7.1's compat venv, made by ``bash scripts/run compat``; any venv with

@@ -10,8 +10,8 @@ after a warm-up update of each: ``patched`` (the defaults: zero-advantage filter
 the old-logprob pass (the verify step then also runs the pass). Reported: the median update
 time of each and the ratio verified / patched, with the largest verify figures seen.
 
-    compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py           # the README number
-    compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py --quick   # a smoke run
+    compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py           # hidden 256, 4 layers, 5 rounds
+    compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py --quick   # a smoke run (the one in benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations

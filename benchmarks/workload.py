@@ -9,7 +9,7 @@ estimator) and varies with the completion elsewhere: with the default 6 of 8 pro
 saturated, ~75 % of the rows have zero advantage, as late in a GRPO run when most prompts are
 solved (or hopeless). Framework-free: no torch or framework import at module level.
 
-Two knobs of ``frameworks.py`` change the workload (both off in the README's main table):
+Two knobs of ``frameworks.py`` change the workload (both off in the main table of benchmarks/RESULTS.md):
 
 * ``mini_batches`` (``--mini-batches N``): each rollout batch is consumed by N optimizer steps
   (TRL: ``steps_per_generation`` micro-batches per generation, ``gradient_accumulation_steps``
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The workload (the README numbers); ``QUICK`` overrides it for a smoke run.
+#: The workload (the runs in benchmarks/RESULTS.md); ``QUICK`` overrides it for a smoke run.
 SPEC: dict[str, Any] = {
     "hidden": 256,  # tiny_model width / depth: big enough that the passes saved show over per-call overhead
     "layers": 4,
