@@ -136,3 +136,42 @@ def _checkouts(spec: dict, entry: dict) -> tuple[Checkout, ...]:
         raise ValueError(f"{entry['version']}: from_checkout names {sorted(unknown)}, not in the framework's checkouts")
     return tuple(Checkout(package, known[package]["source_env"], commit, tuple(known[package]["export"]))
                  for package, commit in entry.get("from_checkout", {}).items())
+
+
+#: Sessions the noxfile adds besides one per (tier, cell), with their tags.
+EXTRA_SESSIONS = {"ray-startup": ("ci", "ray")}
+
+
+def sessions() -> list[tuple[str, tuple[str, ...], str]]:
+    """``(session, tags, description)`` of every nox session, as compat/noxfile.py registers them."""
+    found = []
+    for cell in load():
+        for tier in cell.tiers:
+            ci = cell.ci if tier == "cpu" else cell.e2e_ci if tier == "e2e" else False
+            tags = (tier, cell.framework) + (("ci",) if ci else ())
+            found.append((f"{tier}-{cell.name}", tags, f"{cell.framework} {cell.version} ({tier} tier)"))
+    found += [(name, tags, "the start-up directory reaches Ray workers") for name, tags in EXTRA_SESSIONS.items()]
+    return found
+
+
+def usage() -> str:
+    """``bash scripts/run compat --help``: the tags and sessions, from this file alone (no venv)."""
+    rows = sessions()
+    tags = sorted({t for _, ts, _ in rows for t in ts}, key=lambda t: (t != "ci", t))
+    width = max(len(name) for name, _, _ in rows)
+    return "\n".join([
+        "usage: bash scripts/run compat [TAG | SESSION] [-- PYTEST ARGUMENTS]",
+        "       bash scripts/run compat --list    (nox's own listing; needs the project venv)",
+        "",
+        "Runs the compat cells with nox (venvs under compat/.nox, reused), then writes compat/RESULTS.md and",
+        "compat/results.json (COMPAT_REPORT_DIR=DIR: there instead). Cells outside CI read their sources and",
+        "ready venvs from variables (compat/README.md). --help and --list change nothing.",
+        "",
+        f"TAG (default ci): {', '.join(tags)}",
+        "SESSION (one cell):",
+        *(f"  {name:<{width}}  [{', '.join(ts)}]" for name, ts, _ in rows),
+    ])
+
+
+if __name__ == "__main__":
+    print(usage())

@@ -3,7 +3,8 @@
 ``GRPO_PATCHES=trl`` (a comma list, or ``all``) enables those frameworks in every Python
 process of the environment, deferred until the framework is imported, so Ray workers are
 patched without code changes. ``GRPO_PATCHES_OPTIONS="recompute=0,tile_size=512"`` passes
-options. A malformed value is reported as one warning; this module never raises.
+options. A malformed value is reported as one warning, located at ``<start-up: GRPO_PATCHES=...>``
+(there is no user frame yet); this module never raises.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def run(environ: os._Environ | dict = os.environ) -> list[str]:
             except GrpoPatchesError as exc:
                 problems.append(str(exc))
     if problems:
-        warnings.warn(
-            f"grpo_patches: {FRAMEWORKS_ENV}={raw!r}: " + "; ".join(problems), GrpoPatchesWarning, stacklevel=2
-        )
+        # at interpreter start-up there is no user frame to point at: the warning names the variable instead
+        warnings.warn_explicit(
+            f"grpo_patches: {FRAMEWORKS_ENV}={raw!r}: " + "; ".join(problems), GrpoPatchesWarning,
+            filename=f"<start-up: {FRAMEWORKS_ENV}={raw}>", lineno=0, module="grpo_patches.startup")
     return enabled
 
 

@@ -77,13 +77,14 @@ def _check_supported(adapter: Adapter) -> Version:
     if problem == "missing":
         raise UnsupportedFrameworkError(
             f"{adapter.name} is not installed (distribution {adapter.distribution!r}); "
-            f"install a version in {adapter.supported}, e.g. pip install 'grpo-patches[{adapter.name}]'"
+            f"install a supported version ({adapter.shown_range}): {adapter.how_to_install}"
         )
     if problem == "range":
         names = ", ".join(dict.fromkeys(t.name for t in adapter.patches)) or "none"
         raise UnsupportedFrameworkError(
-            f"{adapter.name} {version} is outside the supported range {adapter.supported} "
-            f"(targets: {names}); install a version in {adapter.supported} or call grpo_patches.disable({adapter.name!r})"
+            f"{adapter.name} {version} is outside the supported range {adapter.shown_range} ({adapter.supported}; "
+            f"targets: {names}); install a supported version ({adapter.how_to_install}) or call "
+            f"grpo_patches.disable({adapter.name!r})"
         )
     if problem == "targets":
         raise UnsupportedFrameworkError(
@@ -344,12 +345,13 @@ def status() -> dict[str, dict[str, Any]]:
             version, problem = None, str(exc)
         reasons = {
             "missing": "not installed",
-            "range": f"{version} outside {adapter.supported}",
+            "range": f"{version} outside {adapter.shown_range}",
             "targets": adapter.description or "no adapter yet",
         }
         entry: dict[str, Any] = {
             "installed": str(version) if version else None,
             "supported_range": adapter.supported,
+            "supported_versions": adapter.shown_range,
             "supported": problem is None,
             "reason": reasons.get(problem, problem or ""),
             "patched": False,

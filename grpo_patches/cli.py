@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import sys
+import textwrap
 from typing import Any, Sequence
 
 from grpo_patches import __version__
@@ -18,39 +19,73 @@ DESCRIPTION = ("Exact optimizations for GRPO training in TRL, verl and NeMo-RL. 
                "patched, runs the demo, and starts processes (Ray workers included) with the patches.")
 
 
+#: The status table fits this many columns; longer notes wrap under their key.
+WIDTH = 100
+
+
+def _wrapped(text: str, indent: str = "  ", hang: str = "    ") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + hang,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def _patched(entry: dict[str, Any]) -> str:
+    if not entry["supported"]:
+        return f"no: {entry['reason']}"
+    return {(True, False): "yes", (False, True): "on import (below)",
+            (True, True): "yes, more on import (below)"}.get((entry["patched"], entry["pending_import"]), "no")
+
+
+def _options(options: dict[str, Any]) -> str:
+    """The options that differ from the defaults (all of them read from ``status()``)."""
+    from grpo_patches.options import Options
+
+    defaults = Options().as_dict()
+    changed = [f"{k}={v}" for k, v in options.items() if defaults.get(k, object()) != v]
+    return ", ".join(changed) + ("; the others at their defaults" if changed else "all at their defaults")
+
+
+def _records(entry: dict[str, Any]) -> list[str]:
+    """One line per patched attribute that has records not applied: which option keeps each off."""
+    off: dict[str, list[str]] = {}
+    for record in entry.get("patches", []):
+        if record["state"] not in ("applied", "pending import"):  # those waiting: the summary says so
+            state = record["state"].removeprefix("off (").removesuffix(")") if record["state"].startswith("off (") \
+                else record["state"]
+            off.setdefault(record["target"].partition(":")[2] or record["target"], []).append(state)
+    return [f"{target}: off ({'; '.join(dict.fromkeys(states))})" for target, states in off.items()]
+
+
 def format_status(report: dict[str, dict[str, Any]]) -> str:
-    """Render :func:`grpo_patches.status` as a plain-text table plus notes and savings."""
-    header = ("framework", "installed", "supported range", "supported", "patched", "options")
-    rows = [header]
-    details: list[str] = []
+    """Render :func:`grpo_patches.status` as plain text in :data:`WIDTH` columns: a table of the
+    frameworks, then per enabled framework its options, patches, notes and savings."""
+    header = ("framework", "installed", "supported versions", "patched in this process")
+    rows = [header] + [(name, e["installed"] or "-", e.get("supported_versions") or e["supported_range"], _patched(e))
+                       for name, e in report.items()]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join([*(str(c).ljust(w) for c, w in zip(r, widths)), str(r[-1])]).rstrip() for r in rows]
+    lines.insert(1, "  ".join([*("-" * w for w in widths), "-" * len(header[-1])]))
     for name, entry in report.items():
-        supported = "yes" if entry["supported"] else f"no ({entry['reason']})"
-        patched = {(True, False): "yes", (False, True): "on import (see below)",
-                   (True, True): "yes, more on import (see below)"}.get((entry["patched"], entry["pending_import"]), "no")
-        options = entry["options"]
-        shown = ", ".join(f"{k}={v}" for k, v in options.items()) if options else "-"
-        rows.append((name, entry["installed"] or "-", entry["supported_range"], supported, patched, shown))
+        details: list[str] = []
         if entry.get("version_origin"):
-            details.append(f"  {name}: version: {entry['version_origin']}")
+            details.append(f"version: {entry['version_origin']}")
         if entry.get("error"):
-            details.append(f"  {name}: error: {entry['error']}")
-        if entry.get("pending_import"):
-            details.append(f"  {name}: {entry['summary']}")
-        for record in entry.get("patches", []):
-            if record["state"] not in ("applied", "pending import"):  # those waiting: the summary above
-                details.append(f"  {name}: {record['target']}: {record['state']}")
-        for key, text in entry["notes"].items():
-            details.append(f"  {name}: {key}: {text}")
-        for klass, notes in entry.get("by_class", {}).items():
-            for key, text in notes.items():
-                details.append(f"  {name} [{klass}]: {key}: {text}")
-        for key, value in sorted(entry["savings"].items()):
-            details.append(f"  {name}: saved {key} = {value:g}")
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    if details:
-        lines += ["", "notes and savings:", *details]
+            details.append(f"error: {entry['error']}")
+        if entry.get("summary"):
+            details.append(entry["summary"])
+        if entry.get("options") is not None:
+            details.append(f"options: {_options(entry['options'])}")
+        details += _records(entry)
+        details += [f"{key}: {text}" for key, text in entry["notes"].items()]
+        details += [f"[{klass}] {key}: {text}" for klass, notes in entry.get("by_class", {}).items()
+                    for key, text in notes.items()]
+        details += [f"saved {key} = {value:g}" for key, value in sorted(entry["savings"].items())]
+        if details:
+            lines += ["", f"{name}:"] + [line for detail in details for line in _wrapped(detail)]
+    if not any(entry["patched"] or entry["pending_import"] for entry in report.values()):
+        lines += ["", *_wrapped("Nothing is patched in this process: grpo-patches status reports only itself. To see "
+                                "a patched one, run it with the variable set (GRPO_PATCHES=trl grpo-patches status), or "
+                                "print grpo_patches.status() in the training process (Ray workers report their own).",
+                                indent="", hang="")]
     return "\n".join(lines)
 
 

@@ -110,11 +110,13 @@ def parse_env_options(text: str) -> dict[str, Any]:
     ``none``; ``verify_tolerance`` a number or ``none``; ``verify_action`` ``raise`` or ``disable``.
     """
     result: dict[str, Any] = {}
+    switches = "1/true/yes/on or 0/false/no/off"
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, raw = item.partition("=")
         name, raw = name.strip(), raw.strip()
         if not sep or not name:
-            raise OptionError(f"expected name=value, got {item!r}")
+            raise OptionError(f"expected name=value (e.g. tiled_loss=auto), got {item!r}; options: "
+                              f"{', '.join(f.name for f in dataclasses.fields(Options))}")
         low = raw.lower()
         if name in ("tile_size", "verify_every", "verify_tolerance"):
             kind, what = (float, "a number") if name == "verify_tolerance" else (int, "an int")
@@ -124,7 +126,8 @@ def parse_env_options(text: str) -> dict[str, Any]:
                 try:
                     result[name] = kind(raw)
                 except ValueError:
-                    raise OptionError(f"option {name!r} must be {what} or none, got {raw!r}") from None
+                    raise OptionError(f"option {name!r} must be {what} or none, got {raw!r} "
+                                      f"(Python: {name}=<{what.split()[-1]}> or None)") from None
         elif name == "verify_action":
             result[name] = low
         elif name in ("zero_advantage_filter", "tiled_loss") and low == "auto":
@@ -133,7 +136,10 @@ def parse_env_options(text: str) -> dict[str, Any]:
             result[name] = True
         elif low in ("0", "false", "no", "off"):
             result[name] = False
+        elif name in ("zero_advantage_filter", "tiled_loss"):
+            raise OptionError(f"option {name!r} must be auto, {switches}; got {raw!r} "
+                              f"(Python: {name}='auto', True or False)")
         else:
-            raise OptionError(f"option {name!r}: cannot read {raw!r} as a boolean (use 1/0, true/false)")
+            raise OptionError(f"option {name!r} must be {switches}; got {raw!r} (Python: {name}=True or False)")
     Options.from_kwargs(result)  # validate names and values now, with the same messages
     return result

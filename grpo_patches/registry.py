@@ -49,6 +49,10 @@ class Adapter:
     :ivar description: why the adapter has no records (shown when it cannot be enabled).
     :ivar version_origin: how ``read_version`` found the number (e.g. a source file, and why
         it was corrected), shown by ``status()``; ``None`` when the metadata is read.
+    :ivar versions_text: the supported range as the README states it to users (``"0.20 - 1.16"``);
+        ``status()`` shows it next to :attr:`supported`. Default: :attr:`supported`.
+    :ivar install_hint: how to install a supported version, as the errors suggest it; default
+        ``pip install '<distribution><supported>'``.
     """
 
     name: str
@@ -59,11 +63,23 @@ class Adapter:
     read_version: Callable[[], str | None] | None = None
     description: str = ""
     version_origin: Callable[[], str | None] | None = None
+    versions_text: str = ""
+    install_hint: str = ""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.not_applicable) - set(OPTIMIZATIONS))
         if unknown:
             raise ValueError(f"{self.name}: not_applicable names {unknown}; optimizations are {', '.join(OPTIMIZATIONS)}")
+
+    @property
+    def shown_range(self) -> str:
+        """The supported range in users' words (:attr:`versions_text`, else the PEP 440 range)."""
+        return self.versions_text or self.supported
+
+    @property
+    def how_to_install(self) -> str:
+        """The install command the errors suggest (:attr:`install_hint`, else pip's)."""
+        return self.install_hint or f"pip install '{self.distribution}{self.supported}'"
 
     def installed_version(self) -> Version | None:
         """The installed framework's version, ``None`` when it is not installed."""

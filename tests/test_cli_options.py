@@ -26,6 +26,19 @@ def test_env_options_reject_bad_text(text):
         parse_env_options(text)
 
 
+@pytest.mark.parametrize("text,accepted", [
+    ("tiled_loss=maybe", ["auto", "1/true/yes/on", "0/false/no/off", "tiled_loss='auto', True or False"]),
+    ("zero_advantage_filter=maybe", ["auto", "1/true/yes/on", "0/false/no/off"]),
+    ("recompute=perhaps", ["1/true/yes/on", "0/false/no/off", "recompute=True or False"]),
+    ("tile_size=big", ["an int or none", "tile_size=<int> or None"]),
+    ("verify_action=stop", ["'raise'", "'disable'"]),
+])
+def test_every_option_error_lists_every_accepted_value_in_both_forms(text, accepted):
+    with pytest.raises(OptionError) as err:
+        parse_env_options(text)
+    assert all(a in str(err.value) for a in accepted), str(err.value)
+
+
 def test_options_defaults_and_validation():
     assert Options.from_kwargs({}) == Options()
     assert Options().zero_advantage_filter == "auto" and Options().tiled_loss is False
@@ -40,11 +53,12 @@ def test_status_table_lists_every_framework(capsys):
         assert name in out
     report = {
         "x": {"installed": "1.0", "supported_range": ">=1", "supported": True, "reason": "", "patched": True,
-              "pending_import": False, "options": {"recompute": True}, "notes": {"filter": "off: beta=0.1"},
+              "pending_import": False, "options": {"recompute": False}, "notes": {"filter": "off: beta=0.1"},
               "savings": {"rows_dropped": 3}}
     }
     table = format_status(report)
-    assert "recompute=True" in table and "x: filter: off: beta=0.1" in table and "rows_dropped = 3" in table
+    assert "\nx:\n  options: recompute=False" in table and "\n  filter: off: beta=0.1" in table
+    assert "saved rows_dropped = 3" in table
 
 
 def test_status_command_json_in_a_fresh_interpreter():

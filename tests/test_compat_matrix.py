@@ -100,3 +100,33 @@ def test_cells_that_need_a_source_checkout_stay_out_of_ci():
         if cell.source_env:
             assert not cell.ci, f"{cell.name} needs {cell.source_env}; CI has no checkout"
             assert cell.missing_source() is None or cell.missing_source().startswith("not run: no source")
+
+
+def test_compat_help_lists_the_sessions_and_tags_nox_registers():
+    """``bash scripts/run compat --help`` reads the matrix alone (no venv): it must say what the
+    noxfile really registers."""
+    pytest.importorskip("nox")
+    import importlib.util
+
+    from nox import registry as nox_registry
+
+    spec = importlib.util.spec_from_file_location("compat_noxfile_for_help", ROOT / "compat" / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    registered = {name: set(func.tags) for name, func in nox_registry.get().items()}
+    assert {name: set(tags) for name, tags, _ in matrix.sessions()} == registered
+    text = matrix.usage()
+    assert all(name in text for name in registered) and "TAG (default ci)" in text
+
+
+def test_compat_help_and_list_change_nothing(tmp_path):
+    import subprocess
+
+    before = (ROOT / "compat" / "RESULTS.md").read_bytes()
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run"), "compat", "--help"], capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                                                      "GRPO_PATCHES_VENV": str(tmp_path / "no-venv")})
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu-verl-0.9.1" in proc.stdout and "ray-startup" in proc.stdout
+    assert not (tmp_path / "no-venv").exists()  # no venv made for --help
+    assert (ROOT / "compat" / "RESULTS.md").read_bytes() == before

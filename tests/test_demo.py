@@ -32,3 +32,8 @@ def test_demo_prints_fewer_passes_and_identical_weights():
     dropped = re.search(r"rows dropped from the update\s+(\d+)\s+(\d+)", out).groups()
     assert dropped[0] == "0" and int(dropped[1]) > 0
     assert float(re.search(r"max \|weight difference\|\s+(\S+)", out).group(1)) == 0.0
+    # what it proves comes first: the same result, the work saved, the time (the runs took turns)
+    summary = out[:out.index("old-logprob passes (rows)")]
+    assert "Same result:  the final weights after 4 optimizer steps are bitwise identical." in summary
+    assert re.search(r"Less work:\s+old-logprob passes (\d+) -> (\d+)", summary)
+    assert re.search(r"Less time:\s+trainer side \d+\.\d+x .* took turns step by step", summary)

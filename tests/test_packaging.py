@@ -95,3 +95,38 @@ def test_the_wheel_built_from_the_sdist_installs_and_patches(wheel_from_sdist, t
     out = json.loads(_run([str(python), "-c", code], env={**env, "GRPO_PATCHES": "trl"}, cwd=tmp_path).stdout.splitlines()[-1])
     assert out["file"].startswith(str(purelib)), out["file"]
     assert out == {**out, "pending": True, "wrapped": "FunctionWrapper", "patched": True}
+
+
+def _fake_cuda_torch(folder: Path, version: str = "2.9.1+cu128") -> Path:
+    """A wheel that installs as ``torch`` ``version``: what a GPU user's CUDA build looks like to pip."""
+    import zipfile
+
+    name = f"torch-{version}.dist-info"
+    files = {"torch/__init__.py": f"__version__ = {version!r}\n",
+             f"{name}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+             f"{name}/WHEEL": "Wheel-Version: 1.0\nGenerator: grpo-patches-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    path = folder / f"torch-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for file, text in files.items():
+            wheel.writestr(file, text)
+        wheel.writestr(f"{name}/RECORD", "".join(f"{f},,\n" for f in [*files, f"{name}/RECORD"]))
+    return path
+
+
+@pytest.mark.parametrize("extra", ["torch", "trl"])
+def test_installing_into_an_environment_with_a_cuda_torch_keeps_that_torch(wheel_from_sdist, tmp_path, extra):
+    """``pip install grpo-patches[<extra>]`` never pins torch: a GPU user's CUDA build stays (what pip would
+    install is read from its dry-run report; the package index serves the other requirements)."""
+    env_dir = tmp_path / "gpu-user"
+    venv.create(env_dir, with_pip=True)
+    python = str(env_dir / "bin" / "python")
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(_fake_cuda_torch(tmp_path))])
+    report = tmp_path / "report.json"
+    proc = subprocess.run([python, "-m", "pip", "install", "--dry-run", "-q", "--report", str(report),
+                           f"{wheel_from_sdist}[{extra}]"], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and "No matching distribution" in proc.stderr + proc.stdout:
+        pytest.skip(f"no package index reachable for the [{extra}] requirements")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    planned = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+    assert "grpo-patches" in planned
+    assert "torch" not in planned, f"pip would replace the CUDA torch: {planned.get('torch')}"

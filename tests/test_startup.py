@@ -52,7 +52,7 @@ def test_all_patches_installed_frameworks(fake_site):
     "env,needle",
     [
         ({"GRPO_PATCHES": "fakefw,bogus"}, "unknown framework(s) 'bogus' (valid: trl, verl, nemo_rl"),
-        ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "recompute=maybe"}, "option 'recompute': cannot read"),
+        ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "recompute=maybe"}, "option 'recompute' must be 1/true/yes/on or 0/false/no/off"),
         ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "colour=1"}, "unknown option(s) 'colour'"),
         ({"GRPO_PATCHES": "fakefw", "GRPO_PATCHES_OPTIONS": "tile_size"}, "expected name=value"),
     ],
@@ -62,6 +62,7 @@ def test_malformed_values_are_one_warning_and_never_raise(fake_site, env, needle
     assert out["out"] == "ok"
     assert out["stderr"].count("GrpoPatchesWarning") == 1, out["stderr"]
     assert needle in out["stderr"]
+    assert out["stderr"].startswith("<start-up: GRPO_PATCHES="), out["stderr"]  # where it comes from, plainly
 
 
 def test_unsupported_version_is_a_warning_not_a_crash(tmp_path):

@@ -25,7 +25,6 @@ import copy
 import functools
 import math
 import random
-import tempfile
 import warnings
 
 import pytest
@@ -41,6 +40,7 @@ from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, PlaceholderE
 from tests.helpers.faulty_plugins import DropsANonZeroRow  # noqa: E402
 from tests.helpers.trl_runs import gmpo_class, needs_tiled  # noqa: E402
 from tests.helpers.trl_runs import run as filter_test_run  # noqa: E402
+from grpo_patches_testing import scratch  # noqa: E402
 from grpo_patches_testing.trl_train import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -245,7 +245,7 @@ def _dropout_model() -> str:
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
-    path = tempfile.mkdtemp(prefix="grpo_patches_tiny_dropout_")
+    path = scratch.directory("tiny_dropout_")
     model.save_pretrained(path)
     tiny_model.build_tokenizer().save_pretrained(path)
     return path

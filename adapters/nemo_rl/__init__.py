@@ -144,6 +144,9 @@ ADAPTER = Adapter(
     name="nemo_rl",
     distribution="nemo-rl",
     supported=">=0.5.0rc0,<0.9",
+    versions_text="v0.5.0 – main",
+    install_hint="NeMo-RL is not on PyPI: run from a clone of https://github.com/NVIDIA-NeMo/RL at v0.5.0 or later "
+                 "(its own install: uv sync; docs/nemo_rl.md)",
     patches=PATCHES,
     not_applicable=NOT_APPLICABLE,
     read_version=read_version,

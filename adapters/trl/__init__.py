@@ -63,4 +63,4 @@ PATCHES = (
     PatchTarget(GRPO_MODULE, "GRPOTrainer.__init__", f"{_HERE}.on_init:check_on_init", caller_frame=True),
 )
 
-ADAPTER = Adapter(name="trl", distribution="trl", supported=">=0.20,<1.17", patches=PATCHES)
+ADAPTER = Adapter(name="trl", distribution="trl", versions_text="0.20 – 1.16", supported=">=0.20,<1.17", patches=PATCHES)

@@ -225,5 +225,5 @@ PATCHES = bypassable((
 #: options with no effect of their own in verl, and what they do here instead (status() notes)
 NOT_APPLICABLE: dict[str, str] = {}
 
-ADAPTER = Adapter(name="verl", distribution="verl", supported=">=0.6.1,<0.10", patches=PATCHES,
+ADAPTER = Adapter(name="verl", distribution="verl", versions_text="0.6.1 – 0.9.1", supported=">=0.6.1,<0.10", patches=PATCHES,
                   not_applicable=NOT_APPLICABLE)

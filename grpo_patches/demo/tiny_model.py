@@ -8,7 +8,9 @@ transformers, tokenizers, datasets and torch are imported inside the functions.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -102,6 +104,18 @@ def build_model(seed: int = 0, hidden_size: int = 64, num_layers: int = 2, vocab
     return model
 
 
+_default_dir: Path | None = None
+
+
+def _process_dir() -> Path:
+    """The per-process folder models are saved to by default, removed when the process ends."""
+    global _default_dir
+    if _default_dir is None or not _default_dir.exists():
+        _default_dir = Path(tempfile.mkdtemp(prefix="grpo_patches_tiny_"))
+        atexit.register(shutil.rmtree, _default_dir, True)
+    return _default_dir
+
+
 def tiny_model_path(
     directory: str | os.PathLike | None = None,
     seed: int = 0,
@@ -110,7 +124,8 @@ def tiny_model_path(
     vocab_size: int | None = None,
     eos_boost: float = 1.0,
 ) -> str:
-    """Save the tiny model + tokenizer under ``directory`` (a per-process temp dir by default).
+    """Save the tiny model + tokenizer under ``directory`` (by default a per-process temp dir,
+    removed when the process ends).
 
     Cached per process and (directory, seed, size): repeated calls return the same path
     without rebuilding. Returns the directory path as a string.
@@ -119,7 +134,7 @@ def tiny_model_path(
     with _lock:
         if key in _cache and Path(_cache[key], "config.json").exists():
             return _cache[key]
-        base = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="grpo_patches_tiny_"))
+        base = Path(directory) if directory is not None else _process_dir()
         size = "" if (hidden_size, num_layers) == (64, 2) else f"-h{hidden_size}-l{num_layers}"
         size += f"-v{vocab_size}" if vocab_size else ""
         size += f"-eos{eos_boost:g}" if eos_boost != 1.0 else ""

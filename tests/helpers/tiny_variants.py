@@ -12,9 +12,10 @@ Each is built once per process from a fixed seed (like :mod:`grpo_patches.demo.t
 from __future__ import annotations
 
 import functools
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from grpo_patches_testing import scratch
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=3,
@@ -51,7 +52,7 @@ def model_path(kind: str) -> str:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    path = Path(tempfile.mkdtemp(prefix=f"grpo_patches_tiny_{kind}_"))
+    path = Path(scratch.directory(f"tiny_{kind}_"))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

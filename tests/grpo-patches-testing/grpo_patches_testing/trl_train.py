@@ -18,13 +18,13 @@ patched runs see identical data and generations; only the patches differ.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from grpo_patches_testing import scratch  # noqa: E402
 from grpo_patches.demo import trl_config  # noqa: E402  (after the environment: nothing of TRL imported)
 
 #: GRPOConfig values every run uses unless overridden: the demo's base (8 prompts x 4 generations,
@@ -154,7 +154,7 @@ def train(
     # later configs without one inherit it: a bf16=False run after a default (bf16) run in the
     # same process would autocast to bf16. Each run starts from the caller's environment.
     saved_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    config["output_dir"] = output_dir or tempfile.mkdtemp(prefix="grpo_patches_trl_run_")
+    config["output_dir"] = output_dir or scratch.directory("trl_run_")
     savings.reset("trl")
     pm = grpo_patches.plugin_manager()
     for plugin in plugins:

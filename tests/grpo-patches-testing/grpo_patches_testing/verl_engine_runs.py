@@ -133,9 +133,9 @@ def shared_worker(*, dynamic: bool = False, fused: bool = False, remove_padding:
     key = (dynamic, fused, remove_padding)
     if key not in _SHARED:
         if "dir" not in _SHARED:
-            import tempfile
+            from grpo_patches_testing import scratch
 
-            _SHARED["dir"] = tempfile.mkdtemp(prefix="grpo_patches_verl_")
+            _SHARED["dir"] = scratch.directory("verl_")
         _SHARED[key] = EngineWorker(model_dir(_SHARED["dir"], fused=fused), dynamic=dynamic, fused=fused,
                                     remove_padding=remove_padding)
     return _SHARED[key]
