@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import io
 import os
 import socket
 import sys
@@ -159,6 +160,12 @@ class Result:
     largest_logits: tuple[int, ...] = ()  # the largest lm-head output seen
     full_logits: int = 0  # lm-head outputs of [B, T, vocab]
     ref_model_built: bool = False
+    #: the largest |pre-pass old log-prob - training forward's log-prob| over the micro-batches of
+    #: epoch 0's first accumulation group (consumed before any optimizer step); None: no pre-pass
+    first_group_old_vs_new: float | None = None
+    #: the lm-head weight: (its full number of elements, the elements this rank holds); ZeRO-3
+    #: holds a 1/world shard outside the lm-head's forward, ZeRO-2 the whole weight
+    lm_head_elements: tuple[int, int] = (0, 0)
 
 
 def free_port() -> int:
@@ -433,9 +440,26 @@ def _recording(learner: Any, config: Config, result: Result) -> Iterator[None]:
         return out
 
     engine.get_global_grad_norm, engine.step = get_global_grad_norm, step
+    weight = policy.get_output_embeddings().weight
+    result.lm_head_elements = (int(getattr(weight, "ds_numel", weight.numel())),
+                               int(weight.ds_tensor.numel() if hasattr(weight, "ds_tensor") else weight.numel()))
+    from open_instruct import grpo_utils
+
+    real_resolve = grpo_utils.resolve_old_logprob
+
+    def resolve_old_logprob(cache: list, i: int, epoch: int, num_mini_batches: int, *args: Any) -> Any:
+        old = real_resolve(cache, i, epoch, num_mini_batches, *args)  # observed, never changed
+        first_group = len(cache) // num_mini_batches  # accumulation_steps (len(cache) is a multiple)
+        if num_mini_batches > 1 and epoch == 0 and i < first_group:
+            gap = float((old - args[-1].detach()).abs().max())
+            result.first_group_old_vs_new = max(result.first_group_old_vs_new or 0.0, gap)
+        return old
+
+    grpo_utils.resolve_old_logprob = resolve_old_logprob
     try:
         yield
     finally:
+        grpo_utils.resolve_old_logprob = real_resolve
         del engine.get_global_grad_norm, engine.step
         for handle in handles:
             handle.remove()
@@ -470,7 +494,10 @@ def _rank_main(rank: int, world_size: int, port: int, configs: list[Config], que
 
         torch.set_num_threads(1)
         init_gloo(rank, world_size, port)
-        queue.put((rank, [train(c, rank) for c in configs], None))
+        results = [train(c, rank) for c in configs]
+        buffer = io.BytesIO()  # plain bytes: tensors through the queue would go by shared memory, whose
+        torch.save(results, buffer)  # file descriptors die with this process before the parent reads them
+        queue.put((rank, buffer.getvalue(), None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         import traceback
 
@@ -510,7 +537,9 @@ def train_ranks(configs: list[Config], timeout: float = 1800) -> list[list[Resul
             if error:
                 errors.append(f"rank {rank}:\n{error}")
             else:
-                out[rank] = results
+                import torch
+
+                out[rank] = torch.load(io.BytesIO(results), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

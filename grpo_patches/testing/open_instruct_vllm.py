@@ -32,7 +32,9 @@ class _DummyMeta(type):
     def __getattr__(cls, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        return _dummy(f"{cls.__qualname__}.{name}")
+        value = _dummy(f"{cls.__qualname__}.{name}")
+        setattr(cls, name, value)  # one dummy per name
+        return value
 
     def __getitem__(cls, item: Any) -> Any:  # vllm.Foo[...] in an annotation
         return cls

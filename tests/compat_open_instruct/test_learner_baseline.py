@@ -96,8 +96,21 @@ def test_every_forward_makes_full_vocabulary_logits(one_rank):
         assert result.largest_logits[-1] == result.weights["model.embed_tokens.weight"].shape[0]
 
 
+def test_the_pre_pass_repeats_the_first_groups_log_probs(one_rank, record_property):
+    """With more than one mini-batch, the pre-pass's old log-probs of epoch 0's first accumulation
+    group (consumed before any optimizer step) are bitwise the training forward's own: what the
+    old-logprob window (issue 30) relies on, on ZeRO-2 and ZeRO-3."""
+    for index, (config, result) in enumerate(zip(ONE_RANK, one_rank)):
+        if config.num_mini_batches > 1:
+            assert result.first_group_old_vs_new == 0.0, (index, result.first_group_old_vs_new)
+            record_property(f"baseline_{index}_first_group_old_vs_new", result.first_group_old_vs_new)
+        else:
+            assert result.first_group_old_vs_new is None  # no pre-pass
+
+
 def test_two_ranks_agree(two_ranks):
-    """ZeRO-3 on two gloo ranks: the same counts and the same gathered weights on both."""
+    """ZeRO-3 on two gloo ranks: the same counts and the same gathered weights on both; each rank
+    holds half of the (tied) lm-head weight outside its forward."""
     (first,), (second,) = two_ranks
     config = harness.replace(BASE, deepspeed_stage=3, world_size=2, num_mini_batches=2, num_epochs=2, beta=0.05)
     for result in (first, second):
@@ -106,3 +119,6 @@ def test_two_ranks_agree(two_ranks):
     assert first.grad_norms == pytest.approx(second.grad_norms, rel=1e-6)
     for name, weight in first.weights.items():
         assert (second.weights[name] - weight).abs().max().item() == 0.0, name
+    full, held = first.lm_head_elements
+    assert full == first.weights["model.embed_tokens.weight"].numel() and held == full // 2
+    assert first.first_group_old_vs_new == second.first_group_old_vs_new == 0.0
