@@ -18,16 +18,19 @@ undone when :func:`train` returns):
   group exists before ``from_pretrained``, so its ``nccl`` init is skipped, as upstream intends).
 * fp32 (``Config.bf16=False``): ``get_train_ds_config`` / ``get_eval_ds_config`` are called with
   ``bf16=False`` and the model loads in fp32 (upstream hard-codes bf16). ZeRO-3's persistence
-  threshold is scaled to the tiny model (``Config.stage3_param_persistence_threshold``). ``optimizer="sgd"``:
-  ``torch.optim.AdamW`` built by ``from_pretrained`` becomes SGD (exact per-step comparisons;
-  AdamW turns rounding noise into different trajectories), with ``zero_allow_untested_optimizer``.
+  threshold is scaled to the tiny model (``Config.stage3_param_persistence_threshold``).
+  ``optimizer="sgd"``: ``torch.optim.AdamW`` built by ``from_pretrained`` becomes SGD (exact
+  per-step comparisons; AdamW turns rounding noise into different trajectories), with
+  ``zero_allow_untested_optimizer``.
 * The data: ``streaming_config.build_dataloader`` (it reaches a Ray actor) returns the batches.
 
 Recorded (:class:`Result`), by hooks on the engines' modules (test-only, nothing changed): the
 grad norm DeepSpeed reports after each optimizer step, the final weights (gathered under ZeRO-3),
 forwards of the reference model, no-grad forwards of the policy (open-instruct's old-logprob
 pre-pass), grad-enabled forwards of the policy (the training forwards), the largest lm-head output
-and whether a full ``[B, T, vocab]`` logits tensor was made, and ``step()``'s metrics.
+and whether a full ``[B, T, vocab]`` logits tensor was made, ``step()``'s metrics, the lm-head
+weight's shard, and (observing ``grpo_utils.resolve_old_logprob``, which is called through) how far
+the pre-pass's old log-probs of epoch 0's first accumulation group lie from the training forward's.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def extensions_dir() -> str:
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return os.environ["TORCH_EXTENSIONS_DIR"]
     spec = importlib.util.find_spec("deepspeed")
-    venv = Path(spec.origin).parents[4] if spec and spec.origin else Path(sys.prefix)  # venv/lib/pythonX/site-packages/deepspeed
+    # deepspeed/__init__.py lies in <venv>/lib/pythonX.Y/site-packages/deepspeed/
+    venv = Path(spec.origin).parents[4] if spec and spec.origin else Path(sys.prefix)
     return str(venv / EXTENSIONS)
 
 
@@ -344,8 +348,9 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
             out = real(*args, **kwargs)
             cfg = out[0] if isinstance(out, tuple) else out  # get_eval_ds_config: (config, HfDeepSpeedConfig)
             cfg["zero_allow_untested_optimizer"] = True
-            if config.stage3_param_persistence_threshold is not None:
-                cfg["zero_optimization"]["stage3_param_persistence_threshold"] = config.stage3_param_persistence_threshold
+            threshold = config.stage3_param_persistence_threshold
+            if threshold is not None:
+                cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
             return out
 
         return make
