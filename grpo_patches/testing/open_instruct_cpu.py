@@ -161,6 +161,8 @@ class Result:
     policy_forwards: int = 0  # grad-enabled policy forwards
     policy_rows: int = 0  # packed rows through the grad-enabled forwards
     micro_batches: list[int] = field(default_factory=list)  # handed to step() on this rank, per step
+    micro_batch_shapes: list[list[tuple[int, ...]]] = field(default_factory=list)  # their query_responses, per step
+    gradients: list[dict[str, Any]] = field(default_factory=list)  # before each optimizer step (where whole)
     largest_logits: tuple[int, ...] = ()  # the largest lm-head output seen
     full_logits: int = 0  # lm-head outputs of [B, T, vocab]
     ref_model_built: bool = False
@@ -224,7 +226,7 @@ def train(config: Config, rank: int = 0) -> Result:
     tokenizer = tiny_model.load_tokenizer(path)
     steps = [per_rank[rank] for per_rank in batches(config, path, config.world_size)]
     args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
-    result = Result(micro_batches=[len(s["batch"]) for s in steps])
+    result = Result(micro_batches=[len(s["batch"]) for s in steps], micro_batch_shapes=shapes(steps))
     cls = grpo_fast.PolicyTrainerRayProcess.__ray_actor_class__
     with _enabled(config.enable):
         learner = cls(config.world_size, rank, rank, "127.0.0.1", free_port(), args, streaming, vllm_config,
@@ -241,6 +243,10 @@ def train(config: Config, rank: int = 0) -> Result:
         finally:
             _release(learner)
     return result
+
+
+def shapes(steps: list[dict]) -> list[list[tuple[int, ...]]]:
+    return [[tuple(t.shape) for t in s["batch"].query_responses] for s in steps]
 
 
 def full_weights(engine: Any, stage: int) -> dict[str, Any]:
