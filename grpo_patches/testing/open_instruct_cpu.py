@@ -250,13 +250,29 @@ def shapes(steps: list[dict]) -> list[list[tuple[int, ...]]]:
 
 
 def full_weights(engine: Any, stage: int) -> dict[str, Any]:
-    """Every parameter of the engine's module, full size (ZeRO-3 gathers; a collective)."""
-    import deepspeed
+    """Every parameter of the engine's module, full size: the fp32 master copy DeepSpeed's ZeRO
+    optimizer holds (a collective under ZeRO-3: every rank calls it). Gathering the module's own
+    ZeRO-3 parameters (``GatheredParameters``) after the last step once returned a NaN-filled
+    embedding on one of two ranks on a loaded machine; the optimizer's copy is what the next step
+    starts from."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
 
-    params = dict(engine.module.named_parameters())
-    gather = deepspeed.zero.GatheredParameters(list(params.values())) if stage == 3 else contextlib.nullcontext()
-    with gather:
-        return {name: p.detach().clone().float() for name, p in params.items()}
+    if dist.is_initialized():
+        dist.barrier()
+    out = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if full is None:  # not trained (no optimizer copy): the module's own tensor
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([param]) if stage == 3 else contextlib.nullcontext()
+            with gather:
+                full = param.detach()
+        shape = getattr(param, "ds_shape", param.shape)
+        out[name] = full.detach().clone().to(torch.float32).reshape(shape)
+    return out
 
 
 def _configs(grpo_fast: Any, config: Config, path: str, steps: list[dict]) -> tuple:
