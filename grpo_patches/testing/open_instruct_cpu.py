@@ -93,11 +93,11 @@ def load() -> Any:
     """open-instruct's ``grpo_fast`` module (imported under the vLLM stand-in); skips without it."""
     import importlib.util
 
-    os.environ.update({k: v for k, v in environment().items() if k not in os.environ or k == "DS_ACCELERATOR"})
     if importlib.util.find_spec("open_instruct") is None:
         skip("not run: no open-instruct on the path (set OPEN_INSTRUCT_SRC, see compat/README.md)")
     if importlib.util.find_spec("deepspeed") is None:
         skip("not run: no deepspeed in this venv (open-instruct's recipe: compat/README.md)")
+    os.environ.update({k: v for k, v in environment().items() if k not in os.environ or k == "DS_ACCELERATOR"})
     from grpo_patches.testing import open_instruct_vllm
 
     with open_instruct_vllm.installed():
