@@ -421,37 +421,41 @@ class _CpuPlacements:
         return Mode()
 
 
-@contextlib.contextmanager
-def _recording(learner: Any, config: Config, result: Result) -> Iterator[None]:
+def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, result: Result) -> list[Any]:
+    """Hooks (removable handles) counting the policy's grad-enabled forwards (training) and no-grad
+    forwards (the old-logprob pre-pass), the reference's forwards, and sizing every lm-head output."""
     import torch
 
-    policy = learner.model.module
-    vocab = policy.config.vocab_size
-    result.ref_model_built = getattr(learner, "ref_policy", None) is not None
-    handles = []
-
-    def count_policy(module: Any, args: Any, kwargs: Any) -> None:
+    def count_policy(_module: Any, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
             result.policy_forwards += 1
             result.policy_rows += int(kwargs.get("input_ids", args[0] if args else None).shape[0])
         else:
             result.old_logprob_forwards += 1
 
-    def count_ref(module: Any, args: Any, kwargs: Any) -> None:
+    def count_ref(_module: Any, _args: Any, _kwargs: Any) -> None:
         result.ref_forwards += 1
 
-    def logits(module: Any, args: Any, output: Any) -> None:
-        shape = tuple(output.shape)
-        if not result.largest_logits or output.numel() > _numel(result.largest_logits):
+    def logits(_module: Any, _args: Any, output: Any) -> None:
+        out = getattr(output, "logits", output)
+        shape = tuple(out.shape)
+        if not result.largest_logits or out.numel() > _numel(result.largest_logits):
             result.largest_logits = shape
         result.full_logits += int(len(shape) == 3 and shape[-1] == vocab)
 
-    handles.append(policy.register_forward_pre_hook(count_policy, with_kwargs=True))
-    handles.append(policy.get_output_embeddings().register_forward_hook(logits))
-    if result.ref_model_built:
-        ref = learner.ref_policy.module
+    handles = [policy.register_forward_pre_hook(count_policy, with_kwargs=True)]
+    if ref is not None:
         handles.append(ref.register_forward_pre_hook(count_ref, with_kwargs=True))
-        handles.append(ref.get_output_embeddings().register_forward_hook(logits))
+    return handles + [head.register_forward_hook(logits) for head in lm_heads]
+
+
+@contextlib.contextmanager
+def _recording(learner: Any, config: Config, result: Result) -> Iterator[None]:
+    policy = learner.model.module
+    result.ref_model_built = getattr(learner, "ref_policy", None) is not None
+    ref = learner.ref_policy.module if result.ref_model_built else None
+    heads = [policy.get_output_embeddings()] + ([ref.get_output_embeddings()] if ref is not None else [])
+    handles = count_forwards(policy, ref, heads, policy.config.vocab_size, result)
     engine = learner.model
     real_norm, real_step = engine.get_global_grad_norm, engine.step
 

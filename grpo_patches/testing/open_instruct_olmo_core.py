@@ -162,27 +162,8 @@ def _recorder(result: Result) -> Any:
 def _recording(module: Any, ref: Any, vocab: int, result: Result) -> Iterator[None]:
     import torch
 
-    def count_policy(_m: Any, args: Any, kwargs: Any) -> None:
-        if torch.is_grad_enabled():
-            result.policy_forwards += 1
-            result.policy_rows += int(kwargs.get("input_ids", args[0] if args else None).shape[0])
-        else:
-            result.old_logprob_forwards += 1
-
-    def count_ref(_m: Any, _args: Any, _kwargs: Any) -> None:
-        result.ref_forwards += 1
-
-    def logits(_m: Any, _args: Any, output: Any) -> None:
-        out = getattr(output, "logits", output)
-        shape = tuple(out.shape)
-        if not result.largest_logits or out.numel() > deepspeed_learner._numel(result.largest_logits):
-            result.largest_logits = shape
-        result.full_logits += int(len(shape) == 3 and shape[-1] == vocab)
-
-    handles = [module.model.register_forward_pre_hook(count_policy, with_kwargs=True),
-               module.model.lm_head.register_forward_hook(logits)]
-    if ref is not None:
-        handles += [ref.register_forward_pre_hook(count_ref, with_kwargs=True), ref.lm_head.register_forward_hook(logits)]
+    heads = [module.model.lm_head] + ([ref.lm_head] if ref is not None else [])
+    handles = deepspeed_learner.count_forwards(module.model, ref, heads, vocab, result)
     real_step = module._do_optim_step
 
     def do_optim_step() -> None:
