@@ -56,6 +56,11 @@ class Cell:
     e2e_ci: bool = False  # CI runs the cell's e2e tier
     export: tuple[str, ...] = ()  # paths of a source checkout to export (default: the package; see sources.py)
     from_checkout: tuple[Checkout, ...] = ()  # packages built from checkouts when no ready venv is named
+    lock: str | None = None  # the source's own lock file (uv.lock), turned into pip constraints (uv_lock.py)
+    lock_exclude: tuple[str, ...] = ()  # names (globs) the lock does not constrain: the GPU stack, torch
+    no_build_isolation: tuple[str, ...] = ()  # built against the venv's torch (deepspeed's sdist imports it)
+    build_requires: tuple[str, ...] = ()  # what those builds import, installed first
+    after_install: tuple[str, ...] = ()  # a command run in the venv once the project is installed
 
     @property
     def name(self) -> str:
@@ -122,6 +127,11 @@ def load(path: Path = MATRIX) -> list[Cell]:
                     e2e_ci=bool(entry.get("e2e_ci", False)),
                     export=tuple(entry.get("export", spec.get("export", ()))),
                     from_checkout=_checkouts(spec, entry),
+                    lock=entry.get("lock", spec.get("lock")),
+                    lock_exclude=tuple(entry.get("lock_exclude", spec.get("lock_exclude", ()))),
+                    no_build_isolation=tuple(entry.get("no_build_isolation", spec.get("no_build_isolation", ()))),
+                    build_requires=tuple(entry.get("build_requires", spec.get("build_requires", ()))),
+                    after_install=tuple(entry.get("after_install", spec.get("after_install", ()))),
                 )
             )
     return cells

@@ -29,6 +29,7 @@ import nox
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix import ROOT, Cell, load  # noqa: E402
 from sources import prepare_checkouts, prepare_source  # noqa: E402
+from uv_lock import constraints as lock_constraints  # noqa: E402
 
 RESULTS = ROOT / "compat" / ".results"
 CONSTRAINTS = ROOT / "constraints.txt"
@@ -59,12 +60,21 @@ def _record(cell: Cell, tier: str, **fields: object) -> None:
                   **fields)
 
 
-def _constraints(session: nox.Session, cell: Cell) -> str:
-    """constraints.txt, or for a cell with its own torch a copy pinning that torch."""
-    if not cell.torch:
+def _constraints(session: nox.Session, cell: Cell, source: list[Path] | None = None) -> str:
+    """constraints.txt, or for a cell with its own torch a copy pinning that torch (and, for a cell
+    with a ``lock``, the pins of the source's own lock file: open-instruct's uv.lock)."""
+    if not cell.torch and not cell.lock:
         return str(CONSTRAINTS)
+    torch = [f"torch=={cell.torch}"] if cell.torch else [line for line in CONSTRAINTS.read_text().splitlines()
+                                                         if line.startswith("torch")]
     path = Path(session.create_tmp()) / "constraints.txt"
-    path.write_text(f"torch=={cell.torch}\n")
+    if cell.lock:
+        lock = next((d / cell.lock for d in source or () if (d / cell.lock).exists()), None)
+        if lock is None:
+            session.error(f"{cell.name}: no {cell.lock} in the exported source (add it to the framework's export)")
+        path.write_text(lock_constraints(lock, cell.lock_exclude, tuple(torch)))
+    else:
+        path.write_text("\n".join(torch) + "\n")
     return str(path)
 
 
@@ -98,26 +108,31 @@ def _run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
         _record(cell, tier, status="skipped", reason=why)
         session.skip(why)
     ready = cell.ready_venv()
+    paths = prepare_source(cell) if cell.source_env else []
     if ready:
         _layer_on(session, ready)
         session.install("pytest")
     else:
         _layer_off(session)
-        pins = _constraints(session, cell)
+        pins = _constraints(session, cell, paths)
         session.install("-c", pins, "torch")
         if cell.no_deps:
             session.install("-c", pins, "--no-deps", *cell.no_deps)
         if cell.from_checkout:  # packages at commits no release has, exported from the user's clones
             session.install("-c", pins, "--no-deps", *map(str, prepare_checkouts(cell)))
+        if cell.no_build_isolation:  # sdists whose build imports the venv's torch (deepspeed)
+            session.install("-c", pins, *cell.build_requires)
+            session.install("-c", pins, "--no-build-isolation", *cell.no_build_isolation, env=cell.env)
         extra = cell.gpu_install if tier == "gpu" else ()
         session.install("-c", pins, *cell.install, *extra, "pytest", "hypothesis", "pluggy", "wrapt", "packaging")
     session.install("--no-deps", "-e", str(ROOT), "-e", str(ROOT / "tests" / "grpo-patches-testing"))  # the project, its test kit
+    if cell.after_install and not ready:  # e.g. open-instruct's DeepSpeed CPU op, built once into the venv
+        session.run_install(*cell.after_install, env=cell.env)
     RESULTS.mkdir(parents=True, exist_ok=True)
     _venv_note(cell).write_text(str(session.virtualenv.location))  # where the e2e tier finds this cell's venv
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_PATCHES_TIER": tier, **cell.env}
     source = None
     if cell.source_env:
-        paths = prepare_source(cell)
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
         source = ", ".join(p.name for p in paths)
     installed = session.run("python", "-m", "pip", "list", "--format=json", silent=True, env=env) or "[]"

@@ -9,6 +9,11 @@ tests and the benchmarks share (grpo_patches never imports it).
   :mod:`.nemo_rl_run_grpo` (``examples/run_grpo.py`` on a Ray cluster of its own, with the CPU
   start-up hook in ``nemo_rl_startup/``), :mod:`.nemo_rl_tags` (configs and classes per tag);
 * TRL: :mod:`.trl_train` (``GRPOTrainer`` on the demo's tiny model).
+* open-instruct (from a source checkout): :mod:`.open_instruct_cpu` (the real DeepSpeed learner's
+  ``PolicyTrainerRayProcess.step()`` in-process, one or two gloo ranks), :mod:`.open_instruct_olmo_core`
+  (its OLMo-core learner's ``GRPOTrainModule.train_batch``), :mod:`.open_instruct_batches` (rollouts
+  packed and collated by its own code), :mod:`.open_instruct_vllm` (the ``vllm`` import stand-in) and
+  ``open_instruct_startup/`` (the start-up hook of its end-to-end runs).
 
 None of it patches a framework function: each piece uses the framework's own extension points
 or stands in for hardware a CPU lacks. Nothing here is needed to use grpo_patches.

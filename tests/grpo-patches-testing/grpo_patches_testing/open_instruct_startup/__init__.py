@@ -1,0 +1,1 @@
+"""Start-up modules for open-instruct's processes on a CPU (this folder is put on their PYTHONPATH)."""

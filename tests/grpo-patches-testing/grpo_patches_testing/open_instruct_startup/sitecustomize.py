@@ -1,0 +1,34 @@
+# Start-up hook of open-instruct's end-to-end runs on a CPU (tests and benchmarks only).
+#
+# A run puts this folder on PYTHONPATH (grpo_fast.py's ray.init hands its environment to every Ray
+# worker), so every process imports it. It acts only when GRPO_PATCHES_OPEN_INSTRUCT_CPU is set:
+# - the test-only vLLM import stand-in (grpo_patches_testing.open_instruct_vllm): open-instruct imports
+#   vllm at module level everywhere, and vLLM cannot live beside torch 2.13 here;
+# - Ray's cloudpickle pickles a module *subclass* by value and fails: `python open_instruct/grpo_fast.py`
+#   runs as __main__, so Ray ships PolicyTrainerRayProcess by value, and cloudpickle takes along the
+#   submodules its methods' names match, among them torch 2.13's torch.distributed.config (a
+#   ConfigModuleInstance: "cannot pickle 'ConfigModuleInstance' object"). Modules of such a subclass
+#   are pickled by reference here, as cloudpickle pickles plain modules.
+# Never imported as part of grpo_patches; never a user's.
+import os as _os
+
+if _os.environ.get("GRPO_PATCHES_OPEN_INSTRUCT_CPU"):
+    try:
+        import types as _types
+
+        from grpo_patches_testing import open_instruct_vllm as _vllm
+        from ray.cloudpickle import cloudpickle as _cp
+
+        _vllm.install()
+        _override = _cp.Pickler.reducer_override
+
+        def _reducer_override(self, obj):
+            if isinstance(obj, _types.ModuleType) and type(obj) is not _types.ModuleType:
+                return _cp._module_reduce(obj)
+            return _override(self, obj)
+
+        _cp.Pickler.reducer_override = _reducer_override
+    except BaseException as _exc:  # never break an interpreter's start-up; the run sees the message
+        import sys as _sys
+
+        print("open_instruct_startup: start-up hook failed:", repr(_exc), file=_sys.stderr)
