@@ -167,7 +167,10 @@ class Fold:
         g_entropy: torch.Tensor | None,
         token_index: torch.Tensor | slice,
     ) -> None:
-        """Accumulate the tile's gradients, chunk by chunk from the last (still held) to the first."""
+        """Accumulate the tile's gradients, chunk by chunk from the last (still held) to the first.
+
+        ``hidden`` may be the tile's rows with a gradient only (a new tensor): every chunk is then
+        recomputed, for those rows only."""
         gh = None if grads.hidden is None else torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         first_tile = not grads.weight_written
         g, lse = g.float().contiguous(), stats.lse.contiguous()

@@ -23,10 +23,12 @@ from grpo_patches.tiled_loss.options import LossOptions
 from grpo_patches.tiled_loss.tile_math import (
     GradBuffers,
     apply_tile_grads,
+    compact_rows_,
     compute_logits,
     explicit_logit_grad,
     fold_onehot_,
     label_chain,
+    rows_with_gradient,
     softmax_stats,
 )
 from grpo_patches.tiled_loss.tiling import choose_tile_size, tile_bounds
@@ -142,25 +144,38 @@ def run_tiles(
         loss += tile_loss.detach()
         _record(result, opts, idx, inputs.mask, stats, tstats)
 
-        if grads is not None:
-            g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
-            g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
-            if fold is not None:
-                fold.apply_grads(grads, h_tile, labels, stats, g, g_entropy, token_index)
+        if grads is None:
+            continue
+        g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
+        g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
+        keep = rows_with_gradient(g, g_entropy)
+        if keep is not None:  # rows of exactly zero gradient leave the gradient GEMMs
+            if keep.numel() == 0:
                 continue
+            g, stats, h_tile, labels = g[keep], stats.rows(keep), h_tile[keep], labels[keep]
+            g_entropy = None if g_entropy is None else g_entropy[keep]
+            token_index = (torch.arange(start, end, device=hidden.device) if all_selected else token_index)[keep]
+        if fold is not None:
+            fold.apply_grads(grads, h_tile, labels, stats, g, g_entropy, token_index)
+            continue
+        if keep is not None:
+            z = compact_rows_(z, keep)
+        if entropy_grad or softcap_grad or rounds:
             onehot = g * label_chain(stats, opts)
-            if entropy_grad or softcap_grad or rounds:
-                explicit_logit_grad(z, stats, g, g_entropy, leave, opts)
-                row_scale = None
-            else:
-                row_scale = -g * opts.logit_chain
-            dense_lp = None
-            if rounds:
-                fold_onehot_(z, labels, onehot)
-                onehot = None
-                dense_lp = lp_buf[:n]
-                dense_lp.copy_(z)
-            apply_tile_grads(grads, head, z, dense_lp, row_scale, onehot, h_tile, labels, token_index)
+            explicit_logit_grad(z, stats, g, g_entropy, leave, opts)
+            row_scale = None
+        else:  # z holds p: dL/dr = -g s/T (p - onehot), the one-hot term folded into z, the scale on [n, H]
+            z.index_put_((torch.arange(z.shape[0], device=z.device), labels), torch.tensor(-1.0, dtype=z.dtype),
+                         accumulate=True)
+            onehot = None
+            row_scale = -g * opts.logit_chain
+        dense_lp = None
+        if rounds:
+            fold_onehot_(z, labels, onehot)
+            onehot = None
+            dense_lp = lp_buf[: z.shape[0]]
+            dense_lp.copy_(z)
+        apply_tile_grads(grads, head, z, dense_lp, row_scale, onehot, h_tile, labels, token_index)
     return loss
 
 
