@@ -38,12 +38,15 @@ PROGRAMS_PER_SM = 4
 
 
 @_jit
-def _transform(r, pre, post, SOFTCAP: tl.constexpr):
-    """``(z, dz/dr / chain)``: the logit and the softcap's ``1 - tanh^2`` (1 without a softcap).
+def _logits(x_ptr, stride_x, bias_ptr, row, cols, valid, pre, post, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One block of a row: ``(z, dz/dr / chain)``, the logits and the softcap's ``1 - tanh^2`` (1 without).
 
     tanh in fp32 to ~1e-7 relative, without libdevice (the interpreter has none): an odd Taylor
     series below |x| = 0.25, where ``(1 - e) / (1 + e)`` (``e = exp(-2|x|)``) cancels, that beyond.
     """
+    r = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        r += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     if SOFTCAP:
         x = r * pre
         ax = tl.abs(x)
@@ -72,10 +75,7 @@ def _stats_kernel(x_ptr, stride_x, bias_ptr, labels_ptr, col0, n_cols, split_col
     for c in range(start, end, BLOCK_V):
         cols = c + tl.arange(0, BLOCK_V)
         valid = cols < end
-        r = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            r += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        z, _ = _transform(r, pre, post, SOFTCAP)
+        z, _ = _logits(x_ptr, stride_x, bias_ptr, row, cols, valid, pre, post, HAS_BIAS, SOFTCAP)
         z = tl.where(valid, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         alpha = tl.exp(m - m_new)
@@ -111,10 +111,7 @@ def _grad_kernel(x_ptr, stride_x, out_ptr, stride_out, bias_ptr, labels_ptr, col
     for c in range(start, end, BLOCK_V):
         cols = c + tl.arange(0, BLOCK_V)
         valid = cols < end
-        r = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            r += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        z, dtanh = _transform(r, pre, post, SOFTCAP)
+        z, dtanh = _logits(x_ptr, stride_x, bias_ptr, row, cols, valid, pre, post, HAS_BIAS, SOFTCAP)
         log_p = z - lse
         p = tl.exp(log_p)
         coef = g
