@@ -242,6 +242,25 @@ def test_gemm_count_recomputes_all_but_the_last_chunk(case, monkeypatch):
         assert len(calls) == chunks + chunks - 1, (shape, len(calls))
 
 
+def test_rows_without_gradient_leave_the_gradient_sweep_when_that_pays(case, monkeypatch):
+    """A 0 policy_token_mask on most rows: only the rest go through the gradient sweep (every chunk
+    recomputed for them); a few such rows in a one-chunk tile: the held chunk is used for all."""
+    rows_seen = []
+    original = fold.Fold.apply_grads
+    monkeypatch.setattr(fold.Fold, "apply_grads", lambda self, grads, hidden, *a: rows_seen.append(
+        hidden.shape[0]) or original(self, grads, hidden, *a))
+    n = int(case["mask"].sum())
+    for few, options in ((False, SMALL), (True, dict(tile_size=None))):
+        mask = torch.zeros(3, 7, device=DEVICE)
+        mask.view(-1)[torch.nonzero(case["mask"].view(-1)).flatten()[: 2 if not few else n - 1]] = 1.0
+        rows_seen.clear()
+        tiled = run(tiled_grpo_loss, case, policy_token_mask=mask, **trl_loss("dapo"), **options)
+        dense = run(dense_grpo_loss, case, policy_token_mask=mask, **trl_loss("dapo"), **options)
+        assert sum(rows_seen) == (n if few else 2), rows_seen
+        for name, grad in dense[2].items():
+            assert max_rel(tiled[2][name], grad) <= 1e-5, name
+
+
 @pytest.mark.parametrize("fault", ["held_chunk_reused", "merge_not_rescaled"])
 def test_planted_faults_fail_the_comparison(case, monkeypatch, fault):
     """Bugs the fold could have: the held chunk taken for any chunk, partial sums merged unscaled."""

@@ -130,6 +130,13 @@ class Fold:
         self.held = None
         return x
 
+    def skip_pays(self, kept: int, rows: int) -> bool:
+        """Whether leaving out the rows without gradient saves GEMM work: the kept rows need every
+        chunk recomputed (the held one holds all rows), the whole tile all but the held one.
+        Counted in [rows, chunk] GEMMs: 3 c kept against (3 c - 1) rows for c chunks."""
+        c = len(self.chunks)
+        return 3 * c * kept < (3 * c - 1) * rows
+
     def _bias(self, i: int) -> torch.Tensor | None:
         return None if self.bias is None else self.bias[self.chunks[i][0] : self.chunks[i][1]]
 

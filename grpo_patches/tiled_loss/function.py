@@ -149,6 +149,8 @@ def run_tiles(
         g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
         g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
         keep = rows_with_gradient(g, g_entropy)
+        if keep is not None and fold is not None and not fold.skip_pays(keep.numel(), n):
+            keep = None
         if keep is not None:  # rows of exactly zero gradient leave the gradient GEMMs
             if keep.numel() == 0:
                 continue
