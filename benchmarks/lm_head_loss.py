@@ -8,13 +8,13 @@ temporary .pt). Prints a table and the issue's targets; writes JSON and a PNG ch
     python benchmarks/lm_head_loss.py --quick                  # smoke test, seconds
     python benchmarks/lm_head_loss.py                          # full: 4096 tokens, H 1024, V 32000/151936
     python benchmarks/lm_head_loss.py --vocab 32000 --impl dense project --repeats 5
-    python benchmarks/lm_head_loss.py --rounds 3 --impl dense project baseline --baseline-src /tmp/main
+    python benchmarks/lm_head_loss.py --rounds 3 --impl dense project baseline --baseline-src .cache/main
 
 ``--rounds`` repeats the whole sequence of implementations round-robin (each round one process per
 implementation); a row's "x dense" is then the median over rounds of its time / dense's time in the
 same round, which is what a shared, busy machine can still measure. ``baseline`` is the project's
-tiled loss imported from another source tree (``--baseline-src``, e.g. a checkout of main): a
-before/after comparison in one run. Peers that are not installed (or cannot run here) become
+tiled loss imported from another source tree (``--baseline-src``, e.g. ``git archive main grpo_patches
+adapters | tar -x -C .cache/main``): a before/after comparison in one run. Peers that are not installed (or cannot run here) become
 "not installed (...)" rows.
 """
 
