@@ -259,10 +259,6 @@ def _framework_strings(path: Path, framework: str) -> int:
 
 #: Adapter modules that still name their framework by a string, with how often, for now (only shrinks).
 KNOWN_FRAMEWORK_STRINGS: dict[str, int] = {
-    "adapters/trl/deferred_pass.py": 1, "adapters/trl/filter.py": 5, "adapters/trl/lm_head_loss_options.py": 1,
-    "adapters/trl/metrics.py": 2, "adapters/trl/old_logprobs.py": 4, "adapters/trl/on_init.py": 2,
-    "adapters/trl/reference.py": 2, "adapters/trl/state.py": 1, "adapters/trl/tiled.py": 3, "adapters/trl/verify.py": 2,
-    "adapters/trl/verify_rollout.py": 6,
     "adapters/verl/filter.py": 1, "adapters/verl/filter_legacy.py": 1, "adapters/verl/filter_megatron.py": 1,
     "adapters/verl/metrics.py": 1, "adapters/verl/old_logprob_rows.py": 4, "adapters/verl/old_logprob_rows_plan.py": 1,
     "adapters/verl/old_logprob_rows_v1.py": 1, "adapters/verl/old_logprobs.py": 8, "adapters/verl/reference.py": 4,

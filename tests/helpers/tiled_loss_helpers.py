@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.adapters.trl.loss_types import tiled_loss_preset
+from grpo_patches.adapters.trl.loss_modes import tiled_loss_preset
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
 
 #: fp32 tolerance of the issue: max |a - b| / max |b| over each tensor
