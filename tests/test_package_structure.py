@@ -228,7 +228,6 @@ def _names_used(path: Path, name: str) -> int:
 
 #: Modules that still hold a ContextVar of their own, for now (the list only shrinks).
 KNOWN_CONTEXT_VARS: set[str] = {
-    "adapters/nemo_rl/reference.py", "adapters/nemo_rl/state.py", "adapters/nemo_rl/tiled.py",
     "adapters/verl/bypass.py", "adapters/verl/filter_engine.py", "adapters/verl/filter_engine_nograd.py",
     "adapters/verl/filter_legacy.py", "adapters/verl/filter_legacy_nograd.py", "adapters/verl/filter_megatron.py",
     "adapters/verl/filter_megatron_legacy.py", "adapters/verl/old_logprob_rows_worker.py",
@@ -268,7 +267,6 @@ KNOWN_FRAMEWORK_STRINGS: dict[str, int] = {
     "adapters/verl/old_logprob_rows_v1.py": 1, "adapters/verl/old_logprobs.py": 8, "adapters/verl/reference.py": 4,
     "adapters/verl/skip_guarantee.py": 2, "adapters/verl/state.py": 1, "adapters/verl/tiled.py": 1,
     "adapters/verl/verify.py": 1, "adapters/verl/version.py": 1,
-    "adapters/nemo_rl/state.py": 1, "adapters/nemo_rl/version.py": 1,
 }
 
 
@@ -295,7 +293,6 @@ def test_the_checkers_see_a_context_var_and_a_framework_string(tmp_path):
 
 #: Adapter modules adapters/README.md does not name yet, for now (the list only shrinks).
 KNOWN_UNDOCUMENTED: set[str] = {
-    "nemo_rl/filter_megatron_worker.py", "nemo_rl/prev_rows.py", "nemo_rl/skipped_rows.py", "nemo_rl/trim.py",
     "trl/trim.py", "verl/multimodal.py", "verl/trim_legacy.py",
 }
 

@@ -74,8 +74,8 @@ def test_every_patch_record_resolves_on_this_source():
                          ids=["token", "sequence", "dual-clip", "importance-sampling"])
 def test_kept_rows_with_the_original_denominators_give_the_real_gradient(overrides, record_property):
     """The filter's premise, on the real loss: zero-advantage rows left out, the global counts kept."""
-    from grpo_patches.adapters.nemo_rl.filter import loss_tensors
-    from grpo_patches.adapters.nemo_rl.settings import denominator
+    from grpo_patches.adapters.nemo_rl.calls import loss_tensors
+    from grpo_patches.adapters.nemo_rl.loss_modes import denominator
 
     data = batched(make_batch())
     loss_fn = make_loss(TAG, **overrides)
@@ -131,7 +131,8 @@ def test_on_policy_prev_on_the_real_loss(record_property):
 def test_tiled_options_reproduce_the_real_loss(overrides, temperature, record_property):
     """The options the adapter gives ``grpo_lm_head_loss`` reproduce the real loss from the hidden
     state and lm-head weight (gradients w.r.t. both)."""
-    from grpo_patches.adapters.nemo_rl.tiled import TiledMicrobatch, _loss_options
+    from grpo_patches.adapters.nemo_rl.state import TiledMicrobatch
+    from grpo_patches.adapters.nemo_rl.tiled import _loss_options
 
     data = batched(make_batch())
     loss_fn = make_loss(TAG, **overrides)
