@@ -157,7 +157,8 @@ def train(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
             FRAMEWORK.report_savings(old_logprob_passes_skipped=1, old_logprob_rows_skipped=rows_skipped)
             if verify_driver.due(step):
                 force = saved["force_on_policy_ratio"]
-                undo_verify = verify_driver.run_skipped_pass(instance, data, loss_fn, None if force is _ABSENT else force)
+                force = None if force is _ABSENT else force
+                undo_verify = verify_driver.run_skipped_pass(instance, data, loss_fn, force)
     if driven and verify_driver.due(step):
         undo_reference = verify_driver.flag_reference(instance, loss_fn)
         if undo_reference is not None:

@@ -2,7 +2,8 @@
 
 Each line's worker applies them: :mod:`.zero_advantage_v050` (v0.5.0), :mod:`.zero_advantage_v060`
 (v0.6.0+), :mod:`.zero_advantage_megatron` (the Megatron policy worker, v0.6.0+). :func:`decide` says
-whether the filter runs for one train call; :func:`plan` lays out its micro-batches. The rows of one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
+whether the filter runs for one train call; :func:`plan` lays out its micro-batches. The rows of
+one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
 (denominator ``"fixed"``: NeMo-RL divides by ``global_valid_toks`` / ``global_valid_seqs``,
 all-reduced over the whole global batch before micro-batching, so the kept rows keep the
 original denominators and need no weights). Then:
