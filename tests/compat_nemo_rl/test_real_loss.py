@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -52,12 +53,21 @@ def test_the_version_is_read_from_this_source():
     assert entry["installed"] == READS_AS[expected] and entry["supported"], entry
 
 
+def _megatron_installed() -> bool:
+    """Megatron is importable for real: not v0.6.0's stub (``harness.stub_megatron``, modules without a
+    spec, which ``find_spec`` refuses with a ValueError) and not absent."""
+    stub = sys.modules.get("megatron")
+    if stub is not None and stub.__spec__ is None:
+        return False
+    return importlib.util.find_spec("megatron") is not None
+
+
 def test_every_patch_record_resolves_on_this_source():
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True, tiled_loss=NEW, verify_every=1 if NEW else None)
     adapter = registry.get("nemo_rl")
     modules = dict.fromkeys(t.module for t in adapter.targets(adapter.installed_version()))
     # the Megatron worker imports only beside Megatron-Bridge: its own cell (nemo_rl v0.7.0-megatron) resolves it
-    elsewhere = () if importlib.util.find_spec("megatron") else tuple(m for m in modules if "megatron" in m)
+    elsewhere = () if _megatron_installed() else tuple(m for m in modules if "megatron" in m)
     for module in modules:
         if module in elsewhere:
             continue
