@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_patches_testing import skip
+from grpo_patches_testing import cpu_torch, skip
 
 #: The DeepSpeed op open-instruct's set-up builds on first use (a killed build leaves a lock file
 #: behind and hangs every later run): built once into the venv, see compat/README.md.
@@ -348,12 +348,8 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
     import torch
     import transformers
 
-    saved: list[tuple[Any, str, Any]] = []
-    missing = object()
-
-    def swap(owner: Any, name: str, value: Any) -> None:
-        saved.append((owner, name, vars(owner).get(name, missing)))  # a class: its own attribute, or none
-        setattr(owner, name, value)
+    shim = cpu_torch.Rebinding()
+    swap = shim.set
 
     auto = transformers.AutoModelForCausalLM
     real_load = auto.from_pretrained.__func__
@@ -383,42 +379,9 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
     swap(grpo_fast, "get_eval_ds_config", ds_config(grpo_fast.get_eval_ds_config))
     if config.optimizer == "sgd":
         swap(torch.optim, "AdamW", lambda params, lr, **_: torch.optim.SGD(params, lr=lr))
-    try:
-        with _CpuPlacements():
-            yield
-    finally:
-        for owner, name, value in reversed(saved):
-            if value is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-
-def _cpu(device: Any) -> Any:
-    import torch
-
-    if (isinstance(device, int) and not isinstance(device, bool)) or (
-            isinstance(device, (str, torch.device)) and "cuda" in str(device)):
-        return torch.device("cpu")
-    return device
-
-
-class _CpuPlacements:
-    """A torch function mode sending ``device=cuda...`` / ``.to(cuda...)`` to the CPU."""
-
-    def __new__(cls) -> Any:
-        from torch.overrides import TorchFunctionMode
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                kwargs = dict(kwargs or {})
-                if "device" in kwargs:
-                    kwargs["device"] = _cpu(kwargs["device"])
-                if getattr(func, "__name__", "") == "to" and len(args) > 1:  # Tensor.to(device, ...)
-                    args = (args[0], _cpu(args[1]), *args[2:])
-                return func(*args, **kwargs)
-
-        return Mode()
+    with shim:
+        shim.enter(cpu_torch.cuda_to_cpu_mode())
+        yield
 
 
 def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, result: Result) -> list[Any]:
