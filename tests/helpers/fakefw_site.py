@@ -93,7 +93,7 @@ from grpo_patches import hookimpl
 
 @hookimpl
 def grpo_recompute_old_logps(framework, consumptions_left, window_steps_left, needed_elsewhere):
-    return "from-entry-point-plugin"
+    return True  # the default answers False here: True says the plugin was loaded
 '''
 
 
