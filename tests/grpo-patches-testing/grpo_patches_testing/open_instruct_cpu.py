@@ -225,10 +225,10 @@ def train(config: Config, rank: int = 0) -> Result:
     path = model_path()
     tokenizer = tiny_model.load_tokenizer(path)
     steps = [per_rank[rank] for per_rank in batches(config, path, config.world_size)]
-    args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
     result = Result(micro_batches=[len(s["batch"]) for s in steps], micro_batch_shapes=shapes(steps))
     cls = grpo_fast.PolicyTrainerRayProcess.__ray_actor_class__
-    with _enabled(config.enable):
+    with _enabled(config.enable):  # before the config is made: grpo_patches acts on it (load_ref_policy at beta 0)
+        args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
         learner = cls(config.world_size, rank, rank, "127.0.0.1", free_port(), args, streaming, vllm_config,
                       tokenizer)
         with _cpu_setup(grpo_fast, config):
