@@ -39,6 +39,8 @@ Records, per patched attribute (a later record on one attribute wraps the earlie
 
 from __future__ import annotations
 
+import functools
+
 from grpo_patches.adapter_handle import AdapterHandle
 
 #: The adapter handle every module of this adapter asks (the only place the name is written).
@@ -47,7 +49,7 @@ FRAMEWORK = AdapterHandle("open_instruct")
 from grpo_patches.patching import PatchTarget  # noqa: E402  (FRAMEWORK first: the modules import it)
 from grpo_patches.registry import Adapter  # noqa: E402
 
-from .version import origin, read_version  # noqa: E402
+from . import version  # noqa: E402
 
 _H = "grpo_patches.adapters.open_instruct"
 UTILS = "open_instruct.grpo_utils"
@@ -77,6 +79,10 @@ PATCHES = (
     PatchTarget(ENGINE, "DeepSpeedEngine.set_gradient_accumulation_boundary",
                 f"{_H}.zero_advantage_deepspeed:set_gradient_accumulation_boundary", option=FILTER),
     PatchTarget(ENGINE, "DeepSpeedEngine.backward", f"{_H}.zero_advantage_deepspeed:backward", option=FILTER),
+    # verify mode: the filter's check when the group's optimizer step comes (the other checks are in the
+    # optimizations' own wrappers, each run when verify_every is set)
+    PatchTarget(ENGINE, "DeepSpeedEngine.step", f"{_H}.verify:step", option=VERIFY),
+    PatchTarget(OLMO, "GRPOTrainModule._do_optim_step", f"{_H}.verify:do_optim_step", option=VERIFY),
     # metrics
     PatchTarget(UTILS, "compute_vllm_local_debug_metrics", f"{_H}.metrics:compute_vllm_local_debug_metrics",
                 option=FILTER),
@@ -86,14 +92,15 @@ PATCHES = (
     PatchTarget(UTILS, "compute_metrics_from_loss_stats", f"{_H}.metrics:compute_metrics_from_loss_stats"),
 )
 
+DISTRIBUTION = "open-instruct"  # the import name is the framework's name
 ADAPTER = Adapter(
     name=FRAMEWORK.name,
-    distribution="open-instruct",
+    distribution=DISTRIBUTION,
     supported=">=0.3.0,<0.4",
     versions_text="v0.3.0 – main",
     install_hint="open-instruct is not on PyPI: run from a clone of https://github.com/allenai/open-instruct at "
                  "v0.3.0 or later (its own install: uv sync; docs/open_instruct.md)",
     patches=PATCHES,
-    read_version=read_version,
-    version_origin=origin,
+    read_version=functools.partial(version.read_version, FRAMEWORK.name, DISTRIBUTION),
+    version_origin=functools.partial(version.origin, FRAMEWORK.name, DISTRIBUTION),
 )

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from grpo_patches.call_args import bind
 
-from . import FRAMEWORK, steps
+from . import FRAMEWORK, steps, verify
 from .state import FORWARD
 
 
@@ -26,7 +26,13 @@ def forward_for_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple
     model, query_responses = call_args["model"], call_args["query_responses"]
     with FORWARD.joined(lambda: steps.forward_call(model, query_responses)) as call:
         step = call.step
-        if not call.training or call.current is None or step.plan is None or not step.plan.dropped(call.current.s):
+        if not call.training or call.current is None or step.plan is None:
+            return wrapped(*args, **kwargs)
+        if call.current.s in step.plan.would_drop:  # verify mode: it runs; its loss's gradient must be 0
+            logps, entropy = wrapped(*args, **kwargs)
+            verify.record_dropped_gradient(step, step.group_of(call.current.s), logps)
+            return logps, entropy
+        if not step.plan.dropped(call.current.s):
             return wrapped(*args, **kwargs)
         rows = int(query_responses.shape[0])
         if FRAMEWORK.setting("dropped_rows_metrics", False):

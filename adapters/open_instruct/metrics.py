@@ -108,6 +108,7 @@ def compute_metrics_from_loss_stats(wrapped: Callable[..., Any], instance: Any, 
     if _renaming(step):
         metrics = _kept_rows(wrapped, bind(wrapped, args, kwargs), metrics, step)
     metrics.update({PREFIX + name: float(value) for name, value in sorted(step.counts.items())})
+    metrics.update(step.verify_metrics)
     return metrics
 
 

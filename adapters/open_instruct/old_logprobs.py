@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from grpo_patches import verify as core_verify
 from grpo_patches.call_args import bind
 from grpo_patches.plugins import hook
 
@@ -33,11 +34,16 @@ from .state import LOGPROB_PASS, LogprobPass, StepState
 
 
 def needed(step: StepState) -> list[bool]:
-    """Per micro-batch: whether the pre-pass must compute its old log-probs."""
+    """Per micro-batch: whether the pre-pass must compute its old log-probs.
+
+    A micro-batch the filter runs in epoch 0 only to align the data-parallel ranks (advantage 0)
+    needs none either, but gets them: every rank then runs the same number of pre-pass forwards
+    (ZeRO-3 gathers the parameters in each), as the filter's plan makes every rank run the same
+    number of micro-batches per group."""
     acc = step.accumulation_steps
     out = []
     for i in range(step.n):
-        if step.plan is not None and not step.plan.useful[i] and not FRAMEWORK.setting("dropped_rows_metrics", False):
+        if step.plan is not None and not step.plan.runs[i] and not FRAMEWORK.setting("dropped_rows_metrics", False):
             out.append(False)
         elif FRAMEWORK.on("recompute"):
             answer = hook().grpo_recompute_old_logps(framework=FRAMEWORK.name, consumptions_left=i + 1,
@@ -73,15 +79,20 @@ def compute_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
             values = call_args.call(wrapped, data_BT=subset)
         computed = dict(zip([i for i, w in enumerate(wanted) if w], values))
     skipped = [i for i, w in enumerate(wanted) if not w]
-    if skipped:
-        dtype = next(iter(computed.values())).dtype if computed else learner.head_dtype(call_args["model"])
-        for i in skipped:
-            qr = data.query_responses[i]
-            computed[i] = placeholders.new(step, i, (qr.shape[0], qr.shape[1] - 1), dtype, qr.device)
-        rows = sum(int(data.query_responses[i].shape[0]) for i in skipped)
-        step.add(old_logprob_micro_batches_skipped=len(skipped), old_logprob_rows_skipped=rows)
-        FRAMEWORK.report_savings(old_logprob_micro_batches_skipped=len(skipped), old_logprob_rows_skipped=rows)
-        _note(learner, step, skipped)
+    window = [i for i in skipped if step.plan is None or step.plan.runs[i]]  # the rest: dropped micro-batches
+    if window and 0 in step.verify_groups and FRAMEWORK.on("recompute"):  # verify mode: the pass really runs
+        with FRAMEWORK.unpatched(), core_verify.preserved_rng():
+            step.verify_old = dict(zip(window, call_args.call(wrapped, data_BT=_subset(data, window))))
+    dtype = next(iter(computed.values())).dtype if computed else learner.head_dtype(call_args["model"])
+    for i in skipped:
+        qr = data.query_responses[i]
+        computed[i] = placeholders.new(step, i, (qr.shape[0], qr.shape[1] - 1), dtype, qr.device)
+    saved = [i for i in skipped if i not in step.verify_old]  # what ran for verify mode is not a saving
+    if saved:
+        rows = sum(int(data.query_responses[i].shape[0]) for i in saved)
+        step.add(old_logprob_micro_batches_skipped=len(saved), old_logprob_rows_skipped=rows)
+        FRAMEWORK.report_savings(old_logprob_micro_batches_skipped=len(saved), old_logprob_rows_skipped=rows)
+        _note(learner, step, saved)
     return [computed[i] for i in range(step.n)]
 
 

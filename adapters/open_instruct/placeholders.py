@@ -67,5 +67,15 @@ def resolve_old_logprob(wrapped: Callable[..., Any], instance: Any, args: tuple,
             f"(accumulation_steps={step.accumulation_steps}): a grpo_recompute_old_logps plugin skipped a pass that "
             "was needed? Nothing was computed. Fix the plugin or pass recompute=False to grpo_patches.enable(...)")
     cache[i] = call_args["new_logprobs"].detach()
+    if i in step.verify_old:  # verify mode: the pass the window skipped, run for the comparison
+        from grpo_patches import verify as core_verify
+
+        from .verify import judge
+
+        real = step.verify_old.pop(i)
+        verdict = judge(step, ["recompute"], 0, "old_logprob_max_abs_diff",
+                        core_verify.max_abs_diff(cache[i].float(), real.float()), dtype=real.dtype)
+        if not verdict.ok:
+            cache[i] = real
     del step.placeholders[i]
     return wrapped(*args, **kwargs)

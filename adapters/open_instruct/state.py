@@ -63,9 +63,17 @@ class FilterPlan:
     runs: list[bool]
     last_backward: list[bool]
     tokens_dropped: int = 0
+    would_drop: set[int] = field(default_factory=set)  # kept only because verify mode checks their group
 
     def dropped(self, s: int) -> bool:
         return not self.runs[s]
+
+    def run_all_from(self, first: int, accumulation_steps: int) -> None:
+        """Every micro-step from ``first`` on runs, with open-instruct's own boundaries (verify mode's
+        ``"disable"``: the filter is off from there)."""
+        for s in range(first, len(self.runs)):
+            self.runs[s] = True
+            self.last_backward[s] = (s + 1) % accumulation_steps == 0 or s == len(self.runs) - 1
 
 
 @dataclass
@@ -106,6 +114,10 @@ class StepState:
     counts: dict[str, int] = field(default_factory=dict)  # grpo_patches/<name> in the step's metrics
     debug_sums: dict[str, float] = field(default_factory=dict)  # OLMo-core's debug metrics over useful rows
     debug_count: int = 0
+    verify_groups: set[int] = field(default_factory=set)  # accumulation groups verify mode checks
+    verify_old: dict[int, Any] = field(default_factory=dict)  # the unpatched pre-pass of the skipped ones
+    verify_dropped: dict[int, float] = field(default_factory=dict)  # group -> max |dLoss/dlogps| of would-drops
+    verify_metrics: dict[str, float] = field(default_factory=dict)  # grpo_patches/verify/<quantity>, the worst
 
     @property
     def n(self) -> int:
@@ -160,6 +172,9 @@ class TiledForward:
     logps: Any = None
     entropy: Any = None
     heads: int = 0  # lm-head forwards answered (exactly one per call, checked)
+    verify_group: int | None = None  # the step's accumulation group verify mode checks this forward for
+    step: Any = None  # the StepState (verify mode's figures)
+    dense: bool = False  # verify mode's "disable": the unpatched (dense) log-probs and gradient were used
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import FRAMEWORK, learners, reference, zero_advantage
+from . import FRAMEWORK, learners, reference, verify, zero_advantage
 from .state import PENDING, Current, ForwardCall, StepState
 
 
@@ -47,7 +47,9 @@ def _begin(learner: learners.Learner, batch: Any) -> StepState:
     step = StepState(learner=learner, data=data, accumulation_steps=accumulation, epochs=epochs,
                      index={id(t): i for i, t in enumerate(data.query_responses)},
                      verify_first=own.optimizer_steps)
-    own.optimizer_steps += learner.optimizer_steps(kept, accumulation, epochs)
+    groups = learner.optimizer_steps(kept, accumulation, epochs)
+    own.optimizer_steps += groups
+    step.verify_groups = verify.due_groups(step, groups)
     if FRAMEWORK.on("logprob_skip"):
         reference.on_step(learner, step)
     if FRAMEWORK.on("zero_advantage_filter") and zero_advantage.decide(learner):

@@ -95,6 +95,15 @@ def _pass_rows(running: Any, query_responses: Any) -> Any:
     return torch.cat([data.response_masks[k] for k in parts])
 
 
+def _verified_group(call: Any) -> int | None:
+    """The accumulation group verify mode checks this forward for: a training forward's own; the step's
+    first for its no-grad passes (reference, pre-pass)."""
+    if call.step is None:
+        return None
+    group = call.step.group_of(call.current.s) if call.current is not None else 0
+    return group if group in call.step.verify_groups else None
+
+
 def _head_forward(layer: Any, hidden: Any) -> Any:
     tiled = FORWARD.current().tiled
     tiled.heads += 1
@@ -116,7 +125,8 @@ def forward_for_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple
         call.tiled = TiledForward(labels=labels, mask=_positions(call, query_responses),
                                   temperature=float(call_args["temperature"]),
                                   entropy_wanted=bool(call_args["return_entropy"]),
-                                  tile_size=FRAMEWORK.setting("tile_size"))
+                                  tile_size=FRAMEWORK.setting("tile_size"), step=call.step,
+                                  verify_group=_verified_group(call))
         attention_mask, extra = call_args["attention_mask"], {}
         if call_args.get("pass_olmo_core_doc_lens"):
             from open_instruct import olmo_core_utils

@@ -51,9 +51,13 @@ class TiledLogprobs(torch.autograd.Function):
     def forward(ctx: Any, hidden: Any, weight: Any, bias: Any, labels: Any, mask: Any, temperature: float,
                 tile_size: int | None, out: Any) -> Any:
         logps, entropy = token_stats(hidden, weight, bias, labels, mask, temperature, tile_size)
+        if getattr(out, "verify_group", None) is not None:  # verify mode: against open-instruct's dense computation
+            from . import verify_tiled
+
+            logps, entropy = verify_tiled.forward(out, hidden, weight, bias, logps, entropy)
         out.entropy = entropy
         ctx.save_for_backward(hidden, labels, mask)
-        ctx.weight, ctx.bias, ctx.temperature, ctx.tile_size = weight, bias, temperature, tile_size
+        ctx.weight, ctx.bias, ctx.temperature, ctx.tile_size, ctx.out = weight, bias, temperature, tile_size, out
         return logps.to(torch.result_type(hidden, weight))
 
     @staticmethod
@@ -78,6 +82,10 @@ class TiledLogprobs(torch.autograd.Function):
                                        "backward needs one (the default is grpo_patches.tiled_grpo_loss)")
                 grads = list(torch.autograd.grad(answer[0], wanted, allow_unused=True))
                 grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads)]
+            if getattr(ctx.out, "verify_group", None) is not None:
+                from . import verify_tiled
+
+                grads = verify_tiled.backward(ctx.out, h, w, b, grad, grads)
         grad_h, grad_w = grads[0].to(hidden.dtype), grads[1].to(weight.dtype)
         grad_b = grads[2].to(bias.dtype) if bias is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None

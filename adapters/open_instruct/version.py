@@ -18,8 +18,6 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from . import FRAMEWORK
-
 #: Code markers, newest first: (the version such a source is at least, file under the package, text in it or
 #: ``None``: the file exists).
 MARKERS: tuple[tuple[str, str, str | None], ...] = (
@@ -28,19 +26,20 @@ MARKERS: tuple[tuple[str, str, str | None], ...] = (
 )
 #: What a source without any marker is reported as (below the supported range: one clear error).
 OLDER = "0.2.0"
-_SCM = re.compile(r"""^(?:__version__|version)\s*(?::\s*str)?\s*=\s*["']([^"']+)["']""", re.MULTILINE)
+#: setuptools_scm's line: ``__version__ = version = '0.3.1.dev12+g1234'``.
+_SCM = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.MULTILINE)
 
 
-def package_dir() -> Path | None:
-    """The package directory ``import open_instruct`` would use (the adapter's name is the import name)."""
-    spec = importlib.util.find_spec(FRAMEWORK.name)
+def package_dir(package: str) -> Path | None:
+    """The directory ``import <package>`` would use (not imported)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0])
 
 
 @functools.lru_cache(maxsize=8)
-def _detect(package: Path) -> tuple[str, str]:
+def _detect(package: Path, distribution: str) -> tuple[str, str]:
     written = package / "_version.py"
     try:
         found = _SCM.search(written.read_text())
@@ -48,14 +47,12 @@ def _detect(package: Path) -> tuple[str, str]:
         found = None
     if found:
         return found.group(1), f"{written} says {found.group(1)} (setuptools_scm)"
-    from . import ADAPTER  # at call time: the table is built after this module is imported
-
     try:
-        installed = metadata.version(ADAPTER.distribution)
+        installed = metadata.version(distribution)
     except metadata.PackageNotFoundError:
         installed = None
     if installed is not None:
-        return installed, f"the {ADAPTER.distribution} distribution's metadata says {installed}"
+        return installed, f"the {distribution} distribution's metadata says {installed}"
     for version, path, text in MARKERS:
         try:
             found = (package / path).exists() if text is None else text in (package / path).read_text()
@@ -67,13 +64,14 @@ def _detect(package: Path) -> tuple[str, str]:
     return OLDER, f"{package} is a checkout without version metadata and without v0.3.0's code: older than 0.3.0"
 
 
-def read_version() -> str | None:
-    """The importable open-instruct's version (``None``: not importable)."""
-    package = package_dir()
-    return None if package is None else _detect(package)[0]
+def read_version(package: str, distribution: str) -> str | None:
+    """The version of the importable ``package`` (``None``: not importable); ``distribution`` is its
+    name on an install (``__init__.py`` binds both)."""
+    found = package_dir(package)
+    return None if found is None else _detect(found, distribution)[0]
 
 
-def origin() -> str | None:
+def origin(package: str, distribution: str) -> str | None:
     """How :func:`read_version` found the number (for ``status()``)."""
-    package = package_dir()
-    return None if package is None else _detect(package)[1]
+    found = package_dir(package)
+    return None if found is None else _detect(found, distribution)[1]

@@ -87,6 +87,7 @@ def plan(learner: Any, step: StepState) -> FilterPlan:
     n, total = step.n, step.n * step.epochs
     runs = [True] * total
     last = [False] * total
+    would_drop: set[int] = set()
     for start in range(0, total, step.accumulation_steps):
         group = range(start, min(start + step.accumulation_steps, total))
         advantages = torch.tensor([[1.0 if useful[s % n] else 0.0] for s in group])
@@ -94,8 +95,11 @@ def plan(learner: Any, step: StepState) -> FilterPlan:
         answer = hook().grpo_filter_zero_advantage(advantages=advantages, mask=mask, denominator="fixed",
                                                    group=learner.dp_group)
         kept = {group[k] for k in answer.keep.tolist()} if answer is not None else set(group)
+        if start // step.accumulation_steps in step.verify_groups:  # verify mode: the group runs as unpatched
+            would_drop |= set(group) - kept
+            kept = set(group)
         for s in group:
             runs[s] = s in kept
         last[max(kept)] = True
     dropped_tokens = sum(tokens[s % n] for s in range(total) if not runs[s])
-    return FilterPlan(useful=useful, runs=runs, last_backward=last, tokens_dropped=dropped_tokens)
+    return FilterPlan(useful=useful, runs=runs, last_backward=last, tokens_dropped=dropped_tokens, would_drop=would_drop)

@@ -129,7 +129,7 @@ class Config:
     per_device_train_batch_size: int = 1
     prompts: int = 4
     samples_per_prompt: int = 4
-    zero_std_groups: int = 1
+    zero_std_groups: int | tuple[int, ...] = 1  # the first N prompt groups, or these ones, get one score
     filter_zero_std_samples: bool = False
     pack_length: int = 32
     temperature: float = 1.0
@@ -172,6 +172,8 @@ class Result:
     #: the lm-head weight: (its full number of elements, the elements this rank holds); ZeRO-3
     #: holds a 1/world shard outside the lm-head's forward, ZeRO-2 the whole weight
     lm_head_elements: tuple[int, int] = (0, 0)
+    #: ``grpo_patches.status()["open_instruct"]`` at the end of a run with ``Config.enable`` (notes, savings)
+    status: dict[str, Any] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -240,9 +242,18 @@ def train(config: Config, rank: int = 0) -> Result:
                     metrics, _arrays = learner.step()
                     result.metrics.append(dict(metrics))
             result.weights = full_weights(learner.model, config.deepspeed_stage)
+            result.status = adapter_status(config)
         finally:
             _release(learner)
     return result
+
+
+def adapter_status(config: Config) -> dict[str, Any]:
+    if config.enable is None:
+        return {}
+    import grpo_patches
+
+    return grpo_patches.status().get("open_instruct", {})
 
 
 def shapes(steps: list[dict]) -> list[list[tuple[int, ...]]]:

@@ -148,6 +148,7 @@ def train(config: Config) -> Result:
                 module.train_batch(batch)
         result.ref_model_built = ref is not None
         result.weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+        result.status = deepspeed_learner.adapter_status(config)
     return result
 
 
