@@ -81,8 +81,8 @@ def compute_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     skipped = [i for i, w in enumerate(wanted) if not w]
     window = [i for i in skipped if step.plan is None or step.plan.runs[i]]  # the rest: dropped micro-batches
     if window and 0 in step.verify_groups and FRAMEWORK.on("recompute"):  # verify mode: the pass really runs
-        with FRAMEWORK.unpatched(), core_verify.preserved_rng():
-            step.verify_old = dict(zip(window, call_args.call(wrapped, data_BT=_subset(data, window))))
+        with core_verify.preserved_rng(), LOGPROB_PASS.entered(LogprobPass(_subset(data, window))) as running:
+            step.verify_old = dict(zip(window, call_args.call(wrapped, data_BT=running.data)))
     dtype = next(iter(computed.values())).dtype if computed else learner.head_dtype(call_args["model"])
     for i in skipped:
         qr = data.query_responses[i]

@@ -117,8 +117,8 @@ def forward_for_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple
     call_args = bind(wrapped, args, kwargs)
     model, query_responses = call_args["model"], call_args["query_responses"]
     with FORWARD.joined(lambda: steps.forward_call(model, query_responses)) as call:
-        if call.learner is None or not decide(call.learner, model):
-            return wrapped(*args, **kwargs)
+        if call.learner is None or not FRAMEWORK.on("tiled_loss") or not decide(call.learner, model):
+            return wrapped(*args, **kwargs)  # (FRAMEWORK.on: verify mode's "disable" switches it off mid-run)
         labels = query_responses.new_zeros(query_responses.shape)
         labels[:, :-1] = query_responses[:, 1:]
         labels[labels == call_args["pad_token_id"]] = 0  # open-instruct gathers pad positions at id 0

@@ -7,12 +7,13 @@ verified group:
 
 * ``tiled_loss`` (:mod:`.verify_tiled`): every tiled forward of the group (and, on the step's
   first group, of its no-grad passes) is compared with open-instruct's own
-  ``log_softmax_and_gather`` / ``entropy_from_logits`` on the full logits of the same hidden states
-  (``tiled_logprob_max_abs_diff``), and its backward with the dense backward given the same
-  incoming gradient (``tiled_grad_rel_diff``, :func:`grpo_patches.verify.rel_l2`);
+  ``log_softmax_and_gather`` / ``entropy_from_logits`` on the full logits of the same hidden states,
+  and its backward with the dense backward given the same incoming gradient (both :func:`grpo_patches.verify.rel_l2`: ``tiled_logprob_rel_diff``,
+  ``tiled_grad_rel_diff``);
 * ``recompute`` (:mod:`.old_logprobs`, :mod:`.placeholders`): on the step's first group the pre-pass
-  the window skipped really runs, in ``FRAMEWORK.unpatched()``, and each micro-batch's training
-  forward is compared with it where the loss reads it (``old_logprob_max_abs_diff``);
+  the window skipped really runs (open-instruct's ``compute_logprobs``; the tiled lm-head, checked on
+  its own, stays on) and each micro-batch's training forward is compared with it where the loss reads
+  it (``old_logprob_max_abs_diff``: 0 expected);
 * ``zero_advantage_filter`` (:mod:`.zero_advantage`, :mod:`.dropped_rows`): nothing of the group
   is dropped (it runs as unpatched open-instruct would), and the gradient of open-instruct's loss
   with respect to the log-probs of each micro-batch the filter would have dropped is taken from its

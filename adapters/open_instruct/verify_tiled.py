@@ -1,7 +1,7 @@
 """Verify mode's check of the tiled log-probs: open-instruct's own dense computation on the same hidden states.
 
 On a verified forward (:mod:`.verify`) the tiled forward's log-probs and entropies are compared
-with what ``forward_for_logprobs`` computes from full logits — open-instruct's own
+(relative L2 over the positions computed) with what ``forward_for_logprobs`` computes from full logits — open-instruct's own
 ``model_utils.log_softmax_and_gather`` and ``entropy_from_logits`` of ``(hidden @ weight.T + bias) /
 temperature`` — and its backward with the dense backward of the same (given the same incoming
 gradient): the two places where the tiled lm-head differs from open-instruct's code. The dense
@@ -35,11 +35,11 @@ def forward(tiled: TiledForward, hidden: Any, weight: Any, bias: Any, logps: Any
     with torch.no_grad():
         dense, dense_entropy = _dense(hidden, weight, bias, tiled.labels, tiled.temperature, tiled.entropy_wanted)
         dense = torch.where(tiled.mask, dense.float(), torch.zeros_like(logps))
-        measured = core_verify.max_abs_diff(logps, dense, tiled.mask)
+        measured = core_verify.rel_l2([logps[tiled.mask]], [dense[tiled.mask]])
         if dense_entropy is not None:
             dense_entropy = torch.where(tiled.mask, dense_entropy.float(), torch.zeros_like(entropy))
-            measured = max(measured, core_verify.max_abs_diff(entropy, dense_entropy, tiled.mask))
-    verdict = judge(tiled.step, ["tiled_loss"], tiled.verify_group, "tiled_logprob_max_abs_diff", measured,
+            measured = max(measured, core_verify.rel_l2([entropy[tiled.mask]], [dense_entropy[tiled.mask]]))
+    verdict = judge(tiled.step, ["tiled_loss"], tiled.verify_group, "tiled_logprob_rel_diff", measured,
                     dtype=weight.dtype)
     if verdict.ok:
         return logps, entropy

@@ -42,6 +42,7 @@ import io
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,7 @@ class Config:
     args: tuple[tuple[str, Any], ...] = ()  # further GRPOExperimentConfig fields
     enable: dict[str, Any] | None = None  # grpo_patches.enable("open_instruct", **enable) around the run
     snapshots: bool = False  # record the weights after every optimizer step
+    model_size: tuple[int, int] = (64, 2)  # the tiny Qwen2's hidden size and layers (the shared one: 64, 2)
     #: ZeRO-3 keeps a parameter whole on every rank below this many elements. open-instruct's "auto"
     #: reaches DeepSpeed as its default, 1e5: every tensor of the tiny model would stay whole; at 1000
     #: its matrices (the tied lm-head / embedding included) are partitioned and its norms are not,
@@ -160,6 +162,8 @@ class Result:
     old_logprob_forwards: int = 0  # no-grad policy forwards: the pre-pass's micro-batches
     policy_forwards: int = 0  # grad-enabled policy forwards
     policy_rows: int = 0  # packed rows through the grad-enabled forwards
+    policy_tokens: int = 0  # rows x columns of those forwards
+    step_seconds: list[tuple[float, float]] = field(default_factory=list)  # (wall, CPU) seconds of each step()
     micro_batches: list[int] = field(default_factory=list)  # handed to step() on this rank, per step
     micro_batch_shapes: list[list[tuple[int, ...]]] = field(default_factory=list)  # their query_responses, per step
     gradients: list[dict[str, Any]] = field(default_factory=list)  # before each optimizer step (where whole)
@@ -190,11 +194,11 @@ def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> No
                                 init_method=f"tcp://127.0.0.1:{port or free_port()}")
 
 
-def model_path() -> str:
-    """The shared tiny Qwen2 (hidden 64, 2 layers, tied embeddings, ~250 words) and its tokenizer."""
+def model_path(size: tuple[int, int] = (64, 2)) -> str:
+    """The shared tiny Qwen2 (hidden 64, 2 layers, tied embeddings, ~250 words; or ``size``) and its tokenizer."""
     from grpo_patches.demo import tiny_model
 
-    return tiny_model.tiny_model_path()
+    return tiny_model.tiny_model_path(hidden_size=size[0], num_layers=size[1])
 
 
 def batches(config: Config, path: str, dp_world_size: int) -> list[list[Any]]:
@@ -224,7 +228,7 @@ def train(config: Config, rank: int = 0) -> Result:
     from grpo_patches.demo import tiny_model
 
     init_gloo(rank, config.world_size)
-    path = model_path()
+    path = model_path(config.model_size)
     tokenizer = tiny_model.load_tokenizer(path)
     steps = [per_rank[rank] for per_rank in batches(config, path, config.world_size)]
     result = Result(micro_batches=[len(s["batch"]) for s in steps], micro_batch_shapes=shapes(steps))
@@ -239,7 +243,9 @@ def train(config: Config, rank: int = 0) -> Result:
         try:
             with _recording(learner, config, result):
                 for _ in range(config.steps):
+                    wall, cpu = time.perf_counter(), time.process_time()
                     metrics, _arrays = learner.step()
+                    result.step_seconds.append((time.perf_counter() - wall, time.process_time() - cpu))
                     result.metrics.append(dict(metrics))
             result.weights = full_weights(learner.model, config.deepspeed_stage)
             result.status = adapter_status(config)
@@ -439,8 +445,10 @@ def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, resul
 
     def count_policy(_module: Any, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
+            ids = kwargs.get("input_ids", args[0] if args else None)
             result.policy_forwards += 1
-            result.policy_rows += int(kwargs.get("input_ids", args[0] if args else None).shape[0])
+            result.policy_rows += int(ids.shape[0])
+            result.policy_tokens += int(ids.numel())
         else:
             result.old_logprob_forwards += 1
 
