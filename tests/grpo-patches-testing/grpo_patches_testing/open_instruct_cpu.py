@@ -359,18 +359,17 @@ def _enabled(options: dict[str, Any] | None) -> Iterator[None]:
         grpo_patches.disable()
 
 
-@contextlib.contextmanager
-def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
-    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
+def cpu_stand_ins(config: Config, ds_owner: Any) -> list[tuple[Any, str, Any]]:
+    """What ``from_pretrained`` needs on a CPU (module docstring), as ``(owner, attribute, stand-in)``.
+
+    ``ds_owner`` is where the learner looks up open-instruct's DeepSpeed config builders: ``grpo_fast``
+    in-process; ``open_instruct.utils`` in the end-to-end run, where Ray ships the learner class by value
+    and its globals take the builders from that module by name (each stand-in keeps the builder's name
+    for that)."""
+    import functools
+
     import torch
     import transformers
-
-    saved: list[tuple[Any, str, Any]] = []
-    missing = object()
-
-    def swap(owner: Any, name: str, value: Any) -> None:
-        saved.append((owner, name, vars(owner).get(name, missing)))  # a class: its own attribute, or none
-        setattr(owner, name, value)
 
     auto = transformers.AutoModelForCausalLM
     real_load = auto.from_pretrained.__func__
@@ -382,6 +381,7 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
         return real_load(cls, *args, **kwargs)
 
     def ds_config(real: Any) -> Any:
+        @functools.wraps(real)
         def make(*args: Any, **kwargs: Any) -> Any:
             kwargs["bf16"] = config.bf16
             out = real(*args, **kwargs)
@@ -394,14 +394,24 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
 
         return make
 
-    swap(torch.cuda, "set_device", lambda *a, **k: None)
-    swap(auto, "from_pretrained", classmethod(from_pretrained))
-    swap(grpo_fast, "get_train_ds_config", ds_config(grpo_fast.get_train_ds_config))
-    swap(grpo_fast, "get_eval_ds_config", ds_config(grpo_fast.get_eval_ds_config))
+    out = [(torch.cuda, "set_device", lambda *a, **k: None), (auto, "from_pretrained", classmethod(from_pretrained)),
+           (ds_owner, "get_train_ds_config", ds_config(ds_owner.get_train_ds_config)),
+           (ds_owner, "get_eval_ds_config", ds_config(ds_owner.get_eval_ds_config))]
     if config.optimizer == "sgd":
-        swap(torch.optim, "AdamW", lambda params, lr, **_: torch.optim.SGD(params, lr=lr))
+        out.append((torch.optim, "AdamW", lambda params, lr, **_: torch.optim.SGD(params, lr=lr)))
+    return out
+
+
+@contextlib.contextmanager
+def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
+    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
+    saved: list[tuple[Any, str, Any]] = []
+    missing = object()
+    for owner, name, value in cpu_stand_ins(config, grpo_fast):
+        saved.append((owner, name, vars(owner).get(name, missing)))  # a class: its own attribute, or none
+        setattr(owner, name, value)
     try:
-        with _CpuPlacements():
+        with CpuPlacements():
             yield
     finally:
         for owner, name, value in reversed(saved):
@@ -420,7 +430,7 @@ def _cpu(device: Any) -> Any:
     return device
 
 
-class _CpuPlacements:
+class CpuPlacements:
     """A torch function mode sending ``device=cuda...`` / ``.to(cuda...)`` to the CPU."""
 
     def __new__(cls) -> Any:
@@ -440,7 +450,8 @@ class _CpuPlacements:
 
 def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, result: Result) -> list[Any]:
     """Hooks (removable handles) counting the policy's grad-enabled forwards (training) and no-grad
-    forwards (the old-logprob pre-pass), the reference's forwards, and sizing every lm-head output."""
+    forwards (the old-logprob pre-pass), the reference's forwards, and sizing every lm-head output
+    (``policy`` or ``ref`` ``None``: not counted)."""
     import torch
 
     def count_policy(_module: Any, args: Any, kwargs: Any) -> None:
@@ -462,7 +473,7 @@ def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, resul
             result.largest_logits = shape
         result.full_logits += int(len(shape) == 3 and shape[-1] == vocab)
 
-    handles = [policy.register_forward_pre_hook(count_policy, with_kwargs=True)]
+    handles = [] if policy is None else [policy.register_forward_pre_hook(count_policy, with_kwargs=True)]
     if ref is not None:
         handles.append(ref.register_forward_pre_hook(count_ref, with_kwargs=True))
     return handles + [head.register_forward_hook(logits) for head in lm_heads]
