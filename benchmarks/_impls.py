@@ -67,6 +67,8 @@ def build_project(opts: dict) -> Step:
     kwargs = {}
     if opts.get("project_tile"):
         kwargs["tile_size"] = opts["project_tile"]
+    if opts.get("project_tile_memory"):
+        kwargs["tile_memory_bytes"] = opts["project_tile_memory"]
 
     def step(inputs: Inputs) -> torch.Tensor:
         loss, _metrics = tiled_grpo_loss(
@@ -175,6 +177,7 @@ def build_deepspeed(opts: dict) -> Step:
 BUILDERS: dict[str, Callable[[dict], Step]] = {
     "dense": build_dense,
     "project": build_project,
+    "baseline": build_project,  # the same call, grpo_patches imported from --baseline-src
     "liger": build_liger,
     "trl": build_trl,
     "deepspeed": build_deepspeed,

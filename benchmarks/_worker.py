@@ -159,7 +159,14 @@ def run_timed(spec: dict) -> dict:
         "loss": loss.item(), "loss_abs_diff": abs(loss.item() - ref["loss"].item()),
         "max_grad_diff_hidden": diff["grad_hidden"], "max_grad_diff_weight": diff["grad_weight"],
         "max_grad_diff": max(diff.values()), "torch_threads": torch.get_num_threads(),
+        "grpo_patches_from": _grpo_patches_path(),
     }
+
+
+def _grpo_patches_path() -> str | None:
+    """Where this process's grpo_patches came from (the baseline impl imports another tree)."""
+    module = sys.modules.get("grpo_patches")
+    return None if module is None else str(Path(module.__file__).resolve().parent)
 
 
 def main() -> None:

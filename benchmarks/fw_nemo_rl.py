@@ -19,7 +19,7 @@ CPU shim, ``real_worker``; configs and the loss per tag from :mod:`grpo_patches_
 (memory moves) are not called. Patched runs call ``grpo_patches.enable("nemo_rl")`` (defaults)
 and run the adapter's own wrappers of ``grpo.setup``, ``Policy.__init__`` and
 ``grpo.grpo_train`` around the emulated setup and loop (that is how the adapter knows it is
-in ``grpo_train``: ``state.ACTIVE_LOOP``). Generation is HF ``generate`` from the policy, timed
+in ``grpo_train``: ``state.LOOP``). Generation is HF ``generate`` from the policy, timed
 apart; ``generation_logprobs`` are zeros (vLLM's; no gradient reads them here). Reported
 besides the passes: ``logprob_pass_forwards``, the model forwards the log-prob passes ran (0
 when both are skipped); with ``spec["verify_every"]`` (``frameworks.py --verify``) patched runs
@@ -142,14 +142,14 @@ def _setup(tag: str, spec: dict[str, Any], patched: bool) -> tuple[Any, Any]:
         if patched and old:
             from grpo_patches.adapters.nemo_rl import reference
 
-            reference.policy_init_wrapper(policy_init, policy, (), {"init_reference_model": True})
+            reference.init(policy_init, policy, (), {"init_reference_model": True})
         else:
             policy_init(init_reference_model=True)
 
     if patched:
         from grpo_patches.adapters.nemo_rl import driver_setup
 
-        driver_setup.setup_wrapper(setup, None, (config,), {})
+        driver_setup.setup(setup, None, (config,), {})
     else:
         setup(config)
     return config, policy
@@ -341,7 +341,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     if patched:
         from grpo_patches.adapters.nemo_rl import old_logprobs
 
-        old_logprobs.grpo_train_wrapper(loop, None, (), kwargs)
+        old_logprobs.grpo_train(loop, None, (), kwargs)
     else:
         loop(**kwargs)
     passes = {m: group.calls.get(m, 0) for m in ("get_logprobs", "get_reference_policy_logprobs")}

@@ -43,10 +43,11 @@ VARIANTS = {  # name -> grpo_patches.enable options (None: unpatched)
     "patched": {},
     "patched_metrics": {"dropped_rows_metrics": True},
     "patched_verify": {"verify_every": 1},  # --verify: every step a verify step
+    "patched_tiled": {"tiled_loss": True},  # the tiled lm-head loss too (the fused Triton fold on CUDA)
 }
 VARIANT_LABELS = {"unpatched": "unpatched", "patched": "patched (defaults)",
                   "patched_metrics": "patched, dropped_rows_metrics=True",
-                  "patched_verify": "patched, verify_every=1"}
+                  "patched_verify": "patched, verify_every=1", "patched_tiled": "patched, tiled_loss=True"}
 TARGET = 0.30  # training side at 75 % zero-advantage rows <= 0.30 x unpatched
 QUICK = {"hidden": 64, "layers": 2, "vocab": 1024, "completion_tokens": 16, "steps": 4, "warmup": 2, "rounds": 1}
 
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 0.75], help="zero-advantage row shares")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                   default=[v for v in VARIANTS if v != "patched_verify"])
+                   default=[v for v in VARIANTS if v not in ("patched_verify", "patched_tiled")])
     p.add_argument("--verify", action="store_true",
                    help="add patched with verify_every=1 (and patched): the cost of a verify step vs a normal one")
     p.add_argument("--rounds", type=int, default=3, help="round-robin repetitions (median)")

@@ -44,7 +44,7 @@ def _batch(spec: dict, skip: bool):
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from grpo_patches.adapters.verl import placeholder
+    from grpo_patches.adapters.verl import placeholders
     from grpo_patches_testing import verl_actor_runs as h
     from grpo_patches_testing import verl_engine_runs as engine_runs
 
@@ -52,7 +52,7 @@ def _batch(spec: dict, skip: bool):
     batch = h.make_batch(rows=rows, zero_rows=tuple(range(0, rows, 2)), prompt=spec["prompt"],
                          response=spec["response"], vocab=spec["vocab"])
     if skip:
-        batch["old_log_probs"] = placeholder.like(batch["response_mask"])
+        batch["old_log_probs"] = placeholders.like(batch["response_mask"])
     td = left_right_2_no_padding(DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0}).to_tensordict())
     mini = rows if skip else rows // 2
     tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=mini, mini_batch_size=mini, epochs=1,

@@ -21,21 +21,33 @@ import sources  # noqa: E402
 
 CELLS = {cell.name: cell for cell in matrix.load()}
 BUILT = {name: cell for name, cell in CELLS.items() if cell.from_checkout}
+MEGATRON = {name: cell for name, cell in BUILT.items() if cell.name.endswith("-megatron")}
 README = (ROOT / "compat" / "README.md").read_text()
 
 
 def test_the_megatron_cells_build_their_pair_from_checkouts_and_nothing_comes_from_github():
-    assert set(BUILT) == {"nemo_rl-v0.6.0-megatron", "nemo_rl-main-megatron"}
+    assert set(MEGATRON) == {"nemo_rl-v0.6.0-megatron", "nemo_rl-main-megatron"}
     for cell in CELLS.values():
         assert not [r for r in cell.no_deps + cell.install if "git+" in r], f"{cell.name} installs from a git URL"
-    for cell in BUILT.values():
+    for cell in MEGATRON.values():
         assert [c.package for c in cell.from_checkout] == ["megatron-core", "megatron-bridge"]
         assert all(re.fullmatch(r"[0-9a-f]{40}", c.commit) for c in cell.from_checkout)
 
 
-@pytest.mark.parametrize("name", sorted(BUILT))
+def test_the_open_instruct_cells_build_olmo_core_from_its_clone_at_the_readmes_commit():
+    """ai2-olmo-core is the lock's git revision, never on PyPI: each cell names its commit and OLMO_CORE_SRC."""
+    cells = {name: cell for name, cell in BUILT.items() if name.startswith("open_instruct-")}
+    assert set(cells) == {"open_instruct-v0.3.0", "open_instruct-main"}
+    for cell in cells.values():
+        [olmo] = cell.from_checkout
+        assert (olmo.package, olmo.source_env) == ("ai2-olmo-core", "OLMO_CORE_SRC")
+        assert re.fullmatch(r"[0-9a-f]{40}", olmo.commit)
+        assert olmo.commit[:7] in README and " ".join(olmo.paths) in README
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON))
 def test_the_declared_commits_variables_and_paths_are_the_readmes(name):
-    cell = BUILT[name]
+    cell = MEGATRON[name]
     row = next(line for line in README.splitlines() if line.startswith(f"| `{cell.version}` |"))
     core, bridge = cell.from_checkout
     assert row.index(bridge.commit[:7]) < row.index(core.commit[:7]), row  # columns: Megatron-Bridge, megatron-core

@@ -60,7 +60,7 @@ def test_prev_pass_skipped_when_on_policy(fake_nemo, tag, record_property):
     assert diff <= TOL
     assert policy0.calls["get_logprobs"] == STEPS and policy1.calls["get_logprobs"] == 0
     assert report["savings"]["old_logprob_passes_skipped"] == STEPS
-    assert report["notes"]["prev_logprobs"].startswith("skipped: provably on-policy")
+    assert report["notes"]["old_logprob_pass"].startswith("skipped: provably on-policy")
     metrics0, metrics1 = dict(log0.metrics[-1][1]), dict(log1.metrics[-1][1])
     assert metrics1["token_mult_prob_error"] == pytest.approx(metrics0["token_mult_prob_error"], rel=1e-5)
     assert not set(PLACEHOLDER_METRICS) & set(metrics1)  # never logged as if real
@@ -83,7 +83,7 @@ def test_prev_pass_runs_for_a_policy_that_overrides_train(fake_nemo, tag):
     (_, _, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {"zero_advantage_filter": False},
                                                        adjust=_overriding_train)
     assert policy1.calls["get_logprobs"] == STEPS and rel(w1, w0) <= TOL
-    assert "WithOwnTrain.train overrides Policy.train" in report["notes"]["prev_logprobs"]
+    assert "WithOwnTrain.train overrides Policy.train" in report["notes"]["old_logprob_pass"]
     assert "old_logprob_passes_skipped" not in report["savings"]
 
 
@@ -108,7 +108,7 @@ def test_prev_pass_runs_when_something_else_reads_it(fake_nemo, tag):
     (policy0, _, w0), (policy1, _, w1), report = _compare(
         tag, fake_nemo, {}, loss={"use_importance_sampling_correction": True})
     assert policy1.calls["get_logprobs"] == STEPS and rel(w1, w0) == 0.0
-    assert "use_importance_sampling_correction" in report["notes"]["prev_logprobs"]
+    assert "use_importance_sampling_correction" in report["notes"]["old_logprob_pass"]
     assert "old_logprob_passes_skipped" not in report["savings"]
 
 
@@ -116,7 +116,7 @@ def test_prev_pass_runs_when_something_else_reads_it(fake_nemo, tag):
 def test_two_optimizer_steps_per_rollout_keep_the_pass(fake_nemo, tag):
     (_, _, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {}, policy={"train_global_batch_size": 4})
     assert policy1.calls["get_logprobs"] == STEPS and rel(w1, w0) <= TOL  # the filter regroups rows: rounding
-    assert "make 2 optimizer steps" in report["notes"]["prev_logprobs"]
+    assert "make 2 optimizer steps" in report["notes"]["old_logprob_pass"]
     assert [m["grpo_patches/old_logprob_passes_skipped"] for _, m in log1.metrics] == [0.0] * STEPS
 
 
@@ -130,7 +130,7 @@ def test_every_train_call_is_checked(fake_nemo, tag, record_property):
     record_property("exact_prev_late_pass_weights_rel", diff)
     assert diff <= TOL
     assert policy1.calls["get_logprobs"] == STEPS
-    note = report["notes"]["prev_logprobs"]
+    note = report["notes"]["old_logprob_pass"]
     if tag in ("v0.5.0", "v0.6.0"):
         assert note.startswith("runs: 16 rows per step make 2 optimizer steps (train_global_batch_size=8)")
     else:
@@ -238,7 +238,7 @@ def test_async_loop_keeps_the_prev_pass_and_says_so(fake_nemo, tag):
 
     grpo_patches.enable("nemo_rl", zero_advantage_filter=False)
     assert grpo_module.async_grpo_train() == "async loop ran"
-    note = grpo_patches.status()["nemo_rl"]["notes"]["prev_logprobs"]
+    note = grpo_patches.status()["nemo_rl"]["notes"]["old_logprob_pass"]
     assert note.startswith("runs: async_grpo_train trains on trajectories that older weights may have generated")
     assert "old_logprob_passes_skipped" not in grpo_patches.status()["nemo_rl"]["savings"]
 
@@ -265,7 +265,7 @@ def test_several_optimizer_steps_defer_the_pass_to_the_rows_it_needs(fake_nemo, 
     assert policy1.calls["get_logprobs"] == STEPS
     assert [m["grpo_patches/old_logprob_rows_skipped"] for _, m in log1.metrics] == [4.0] * STEPS
     assert report["savings"]["old_logprob_rows_skipped"] == 4 * STEPS
-    assert report["notes"]["prev_logprobs"].startswith("deferred to Policy.train and run only on the rows")
+    assert report["notes"]["old_logprob_pass"].startswith("deferred to Policy.train and run only on the rows")
     assert not set(PLACEHOLDER_METRICS) & set(log1.metrics[-1][1])
 
 
@@ -275,6 +275,6 @@ def test_recompute_false_keeps_every_row(fake_nemo, tag, monkeypatch, tmp_path):
     (_, _, w0), (policy1, log1, w1), report = _compare(tag, fake_nemo, {"recompute": False},
                                                        policy={"train_global_batch_size": 4}, rows=16)
     assert rel(w1, w0) <= TOL and policy1.calls["get_logprobs"] == STEPS
-    assert "recompute=False" in report["notes"]["prev_logprobs"]
+    assert "recompute=False" in report["notes"]["old_logprob_pass"]
     assert "old_logprob_rows_skipped" not in report["savings"]
     assert [m["grpo_patches/old_logprob_rows_skipped"] for _, m in log1.metrics] == [0.0] * STEPS

@@ -5,7 +5,7 @@ on v0.6.0, v0.7.0 and main the worker is patched (the filter decides there, per 
 in ``tests/compat_nemo_rl/test_real_megatron_filter.py``), so setup says nothing; on the other tags
 ``"auto"`` notes in ``status()`` why that tag's worker is not patched and ``True`` raises before
 training; a DTensor policy gets no note. The Megatron settings the worker-side filter does not cover
-yet are listed by :func:`~grpo_patches.adapters.nemo_rl.filter_megatron.problems`.
+yet are listed by :func:`~grpo_patches.adapters.nemo_rl.zero_advantage_megatron.problems`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from packaging.version import Version
 
 import grpo_patches
 from grpo_patches.adapters.nemo_rl import PATCHES
-from grpo_patches.adapters.nemo_rl.filter_megatron import problems
+from grpo_patches.adapters.nemo_rl.zero_advantage_megatron import problems
 from grpo_patches.errors import IncompatibleOptionsError
 from tests.helpers import nemo_fake
 from tests.helpers.nemo_fixtures import fake_nemo  # noqa: F401  (fixture)
@@ -99,9 +99,9 @@ def _train_microbatch_body(self, state, data):
 def _split_step_body():
     """A stand-in of main's ``MegatronPolicyWorkerImpl._train_microbatch_body`` (same name, same file name)
     calling the filter's ``get_microbatch_iterator`` wrapper, as main's split train step does."""
-    from grpo_patches.adapters.nemo_rl.filter_megatron_worker import microbatch_iterator_wrapper
+    from grpo_patches.adapters.nemo_rl.zero_advantage_megatron import get_microbatch_iterator
 
-    namespace = {"wrapper": microbatch_iterator_wrapper}
+    namespace = {"wrapper": get_microbatch_iterator}
     exec(compile(SPLIT_STEP, "nemo_rl/models/policy/workers/megatron_policy_worker.py", "exec"), namespace)
     return namespace["_train_microbatch_body"]
 

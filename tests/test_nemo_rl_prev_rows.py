@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo_patches
-from grpo_patches.adapters.nemo_rl import prev_rows
+from grpo_patches.adapters.nemo_rl import old_logprob_rows
 from tests.helpers import nemo_prev_rows_cases as cases
 from tests.helpers.nemo_fake import TAGS
 from tests.helpers.nemo_worker_harness import batched, fake_worker, make_batch
@@ -37,7 +37,7 @@ def test_deferred_pass_matches_upstream(fake_nemo, tag, global_batches, zero_fil
 @pytest.mark.parametrize("tag", TAGS)
 def test_wrong_rows_treated_as_first_are_caught(fake_nemo, tag, monkeypatch, record_property):
     fake_nemo(tag)
-    monkeypatch.setattr(prev_rows, "plan", cases.rows_treated_as_first(8))
+    monkeypatch.setattr(old_logprob_rows, "plan", cases.rows_treated_as_first(8))
     got = cases.deferred_matches_upstream(tag, fake_worker, 2, zero_filter=False, lookup=True)
     record_property("fault_prev_rows_grad_rel", got["grad_rel"])
     assert got["grad_rel"] > 1e3 * cases.TOL
@@ -46,30 +46,34 @@ def test_wrong_rows_treated_as_first_are_caught(fake_nemo, tag, monkeypatch, rec
 def test_the_plan_at_75_percent_zero_advantage_and_4_global_batches(fake_nemo):
     fake_nemo("main")
     batch = batched(make_batch(rows=16, zero_rows=cases.ZERO_75))
-    compute, marks = prev_rows.plan(batch, gbs=4, multiple=1, zero_skip=True)
+    compute, marks = old_logprob_rows.plan(batch, gbs=4, multiple=1, zero_skip=True)
     assert compute == [r for r in range(4, 16) if r not in cases.ZERO_75] == [7, 10, 14]
-    assert marks[:4].tolist() == [prev_rows.FIRST] * 4 and int((marks == prev_rows.ZERO).sum()) == 9
-    compute2, marks2 = prev_rows.plan(batch, gbs=4, multiple=2, zero_skip=True)
+    assert marks[:4].tolist() == [old_logprob_rows.FIRST] * 4 and int((marks == old_logprob_rows.ZERO).sum()) == 9
+    compute2, marks2 = old_logprob_rows.plan(batch, gbs=4, multiple=2, zero_skip=True)
     assert len(compute2) == 4 and set(compute) < set(compute2) and int((marks2 > 0).sum()) == 12
-    assert prev_rows.plan(batch, gbs=4, multiple=1, zero_skip=False)[0] == list(range(4, 16))
+    assert old_logprob_rows.plan(batch, gbs=4, multiple=1, zero_skip=False)[0] == list(range(4, 16))
 
 
 @pytest.mark.parametrize("tag", TAGS)
 def test_a_skipped_row_read_with_a_non_zero_advantage_raises(fake_nemo, tag):
     fake_nemo(tag)
     from grpo_patches.errors import PlaceholderError
-    from grpo_patches.adapters.nemo_rl.skipped_rows import substitute
+    from grpo_patches.adapters.nemo_rl.placeholders import check_unpatched, substitute
 
     data = batched(make_batch(rows=4, zero_rows=()))
     data["prev_logprobs"][2] = float("nan")
-    data[prev_rows.MARK] = torch.tensor([0.0, 0.0, prev_rows.ZERO, 0.0])
+    data[old_logprob_rows.MARK] = torch.tensor([0.0, 0.0, old_logprob_rows.ZERO, 0.0])
     current = torch.zeros(4, data["input_ids"].shape[1] - 1)
     with pytest.raises(PlaceholderError, match="non-zero advantage"):
         substitute(data, current, patched=True)
-    data[prev_rows.MARK] = torch.tensor([0.0, 0.0, prev_rows.FIRST, 0.0])
+    data[old_logprob_rows.MARK] = torch.tensor([0.0, 0.0, old_logprob_rows.FIRST, 0.0])
     assert not torch.isnan(substitute(data, current, patched=True)["prev_logprobs"]).any()
     with pytest.raises(PlaceholderError, match="NeMo-RL's own loss would read it"):
         substitute(data, current, patched=False)
+    with pytest.raises(PlaceholderError, match="NeMo-RL's own loss would read it"):
+        check_unpatched(data)  # before verify mode's unpatched computation of the global batch
+    data["prev_logprobs"][2] = 0.0
+    check_unpatched(data)  # the pass ran on every row (the driver's verify step): nothing is read as NaN
 
 
 @pytest.mark.parametrize("tag", [t for t in TAGS if t != "v0.5.0"])
@@ -93,20 +97,20 @@ def test_a_verify_step_compares_the_skipped_rows(fake_nemo, tag, record_property
 
 def test_each_fallback_says_why(fake_nemo, monkeypatch, tmp_path):
     """Where the cut pass could not be exact the pass runs on every row, and status() says why."""
-    from grpo_patches.adapters.nemo_rl.state import LoopState
+    from grpo_patches.adapters.nemo_rl.state import LoopCall
 
     fake_nemo("main")
     grpo_patches.enable("nemo_rl")
-    loop = LoopState(policy=None, loss_fn=None, config={"policy": {}})
-    assert "workers are not patched" in prev_rows.why_not(loop)
+    loop = LoopCall(policy=None, loss_fn=None, config={"policy": {}})
+    assert "workers are not patched" in old_logprob_rows.why_not(loop)
     for name, value in (("GRPO_PATCHES", "nemo_rl"), ("GRPO_PATCHES_STARTUP_DIR", str(tmp_path)),
                         ("PYTHONPATH", str(tmp_path))):
         monkeypatch.setenv(name, value)
-    assert prev_rows.why_not(loop) is None
-    packing = LoopState(policy=None, loss_fn=None, config={"policy": {"sequence_packing": {"enabled": True}}})
-    assert "sequence_packing" in prev_rows.why_not(packing)
-    megatron = LoopState(policy=None, loss_fn=None, config={"policy": {"megatron_cfg": {"enabled": True}}})
-    assert "Megatron" in prev_rows.why_not(megatron)
+    assert old_logprob_rows.why_not(loop) is None
+    packing = LoopCall(policy=None, loss_fn=None, config={"policy": {"sequence_packing": {"enabled": True}}})
+    assert "sequence_packing" in old_logprob_rows.why_not(packing)
+    megatron = LoopCall(policy=None, loss_fn=None, config={"policy": {"megatron_cfg": {"enabled": True}}})
+    assert "Megatron" in old_logprob_rows.why_not(megatron)
     grpo_patches.disable()
     grpo_patches.enable("nemo_rl", recompute=False)
-    assert prev_rows.why_not(loop).startswith("recompute=False")
+    assert old_logprob_rows.why_not(loop).startswith("recompute=False")

@@ -99,7 +99,7 @@ def test_a_train_call_that_raised_leaves_no_filter_behind(fake_nemo, tag):
     """The worker's train call is found from inside it (Ray ships its methods frozen, so nothing
     wraps the whole call): one that raised never ended, yet a later ``get_logprobs`` sees every row."""
     import grpo_patches
-    from grpo_patches.adapters.nemo_rl.state import ACTIVE_TRAIN
+    from grpo_patches.adapters.nemo_rl.state import TRAIN
     from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
 
     fake_nemo(tag)
@@ -114,7 +114,7 @@ def test_a_train_call_that_raised_leaves_no_filter_behind(fake_nemo, tag):
         worker.model.forward = out_of_memory
         with pytest.raises(RuntimeError, match="out of memory"):
             worker.train(batched(make_batch()), make_loss(tag))
-        assert ACTIVE_TRAIN.get() is not None and ACTIVE_TRAIN.get().filter_on  # left behind by the failed call
+        assert TRAIN.current() is not None and TRAIN.current().filter_on  # left behind by the failed call
         worker.model.forward = forward
         rows = []
         worker.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),

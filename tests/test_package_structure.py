@@ -226,19 +226,6 @@ def _names_used(path: Path, name: str) -> int:
                if (isinstance(node, ast.Name) and node.id == name) or (isinstance(node, ast.Attribute) and node.attr == name))
 
 
-#: Modules that still hold a ContextVar of their own, for now (the list only shrinks).
-KNOWN_CONTEXT_VARS: set[str] = {
-    "adapters/nemo_rl/reference.py", "adapters/nemo_rl/state.py", "adapters/nemo_rl/tiled.py",
-    "adapters/verl/bypass.py", "adapters/verl/filter_engine.py", "adapters/verl/filter_engine_nograd.py",
-    "adapters/verl/filter_legacy.py", "adapters/verl/filter_legacy_nograd.py", "adapters/verl/filter_megatron.py",
-    "adapters/verl/filter_megatron_legacy.py", "adapters/verl/old_logprob_rows_worker.py",
-    "adapters/verl/old_logprobs_engine.py", "adapters/verl/old_logprobs_legacy.py",
-    "adapters/verl/old_logprobs_megatron_legacy.py", "adapters/verl/tiled.py", "adapters/verl/tiled_legacy.py",
-    "adapters/verl/tiled_megatron_legacy.py", "adapters/verl/tiled_policy_loss.py", "adapters/verl/verify_legacy.py",
-    "adapters/verl/verify_old_logprobs.py",
-}
-
-
 def test_no_context_var_outside_the_call_context_module():
     """Who hands what to whom within one framework call is read in one place: an adapter's
     per-call contexts are :class:`grpo_patches.call_context.CallSlot` s declared in its
@@ -246,30 +233,12 @@ def test_no_context_var_outside_the_call_context_module():
     holders = {str(p.relative_to(ROOT)) for p in [*_adapter_modules(), *(ROOT / "grpo_patches").rglob("*.py")]
                if _names_used(p, "ContextVar")}
     holders.discard("grpo_patches/call_context.py")
-    new = sorted(holders - KNOWN_CONTEXT_VARS)
-    assert not new, f"{new} hold a ContextVar: declare a CallSlot in the adapter's state.py instead"
-    gone = sorted(KNOWN_CONTEXT_VARS - holders)
-    assert not gone, f"{gone} hold no ContextVar any more: remove them from KNOWN_CONTEXT_VARS"
+    assert not holders, f"{sorted(holders)} hold a ContextVar: declare a CallSlot in the adapter's state.py instead"
 
 
 def _framework_strings(path: Path, framework: str) -> int:
     return sum(1 for node in ast.walk(ast.parse(path.read_text(), str(path)))
                if isinstance(node, ast.Constant) and node.value == framework)
-
-
-#: Adapter modules that still name their framework by a string, with how often, for now (only shrinks).
-KNOWN_FRAMEWORK_STRINGS: dict[str, int] = {
-    "adapters/trl/deferred_pass.py": 1, "adapters/trl/filter.py": 5, "adapters/trl/lm_head_loss_options.py": 1,
-    "adapters/trl/metrics.py": 2, "adapters/trl/old_logprobs.py": 4, "adapters/trl/on_init.py": 2,
-    "adapters/trl/reference.py": 2, "adapters/trl/state.py": 1, "adapters/trl/tiled.py": 3, "adapters/trl/verify.py": 2,
-    "adapters/trl/verify_rollout.py": 6,
-    "adapters/verl/filter.py": 1, "adapters/verl/filter_legacy.py": 1, "adapters/verl/filter_megatron.py": 1,
-    "adapters/verl/metrics.py": 1, "adapters/verl/old_logprob_rows.py": 4, "adapters/verl/old_logprob_rows_plan.py": 1,
-    "adapters/verl/old_logprob_rows_v1.py": 1, "adapters/verl/old_logprobs.py": 8, "adapters/verl/reference.py": 4,
-    "adapters/verl/skip_guarantee.py": 2, "adapters/verl/state.py": 1, "adapters/verl/tiled.py": 1,
-    "adapters/verl/verify.py": 1, "adapters/verl/version.py": 1,
-    "adapters/nemo_rl/state.py": 1, "adapters/nemo_rl/version.py": 1,
-}
 
 
 def test_an_adapter_names_its_framework_once_in_its_init():
@@ -281,10 +250,7 @@ def test_an_adapter_names_its_framework_once_in_its_init():
             count = _framework_strings(path, path.parent.name)
             if count:
                 found[str(path.relative_to(ROOT))] = count
-    grown = {k: v for k, v in found.items() if v > KNOWN_FRAMEWORK_STRINGS.get(k, 0)}
-    assert not grown, f"{grown} name their framework by a string: ask the adapter handle (FRAMEWORK) instead"
-    shrunk = {k: v for k, v in KNOWN_FRAMEWORK_STRINGS.items() if found.get(k, 0) < v}
-    assert not shrunk, f"lower these counts in KNOWN_FRAMEWORK_STRINGS (remove zeros): {shrunk} -> {found}"
+    assert not found, f"{found} name their framework by a string: ask the adapter handle (FRAMEWORK) instead"
 
 
 def test_the_checkers_see_a_context_var_and_a_framework_string(tmp_path):
@@ -293,18 +259,28 @@ def test_the_checkers_see_a_context_var_and_a_framework_string(tmp_path):
     assert _names_used(sample, "ContextVar") == 1 and _framework_strings(sample, "trl") == 1
 
 
-#: Adapter modules adapters/README.md does not name yet, for now (the list only shrinks).
-KNOWN_UNDOCUMENTED: set[str] = {
-    "nemo_rl/filter_megatron_worker.py", "nemo_rl/prev_rows.py", "nemo_rl/skipped_rows.py",
-    "verl/multimodal.py", "verl/trim_legacy.py",
-}
+#: Each adapter's section of adapters/README.md, by the heading that opens it.
+ADAPTER_SECTIONS = {"trl": "## The TRL adapter", "verl": "## The verl adapter", "nemo_rl": "## The NeMo-RL adapter"}
 
 
-def test_every_adapter_module_is_named_in_the_adapters_readme():
-    """``adapters/README.md`` is the map: every module of every adapter is on it."""
+def _readme_section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_every_adapter_module_is_named_in_its_adapters_section_of_the_readme():
+    """``adapters/README.md`` is the map: every module of every adapter is on its own adapter's table
+    (a file name another adapter shares, ``trim.py`` say, does not count for both)."""
     text = (ADAPTERS / "README.md").read_text()
-    missing = {f"{p.parent.name}/{p.name}" for p in _adapter_modules() if f"`{p.name}`" not in text}
-    new = sorted(missing - KNOWN_UNDOCUMENTED)
-    assert not new, f"adapters/README.md does not name {new}: add each to its adapter's table"
-    gone = sorted(KNOWN_UNDOCUMENTED - missing)
-    assert not gone, f"{gone} are named now: remove them from KNOWN_UNDOCUMENTED"
+    folders = {p.parent.name for p in _adapter_modules()}
+    assert not folders - set(ADAPTER_SECTIONS), f"{sorted(folders - set(ADAPTER_SECTIONS))}: add a section for it"
+    missing = sorted(f"{p.parent.name}/{p.name}" for p in _adapter_modules()
+                     if f"`{p.name}`" not in _readme_section(text, ADAPTER_SECTIONS[p.parent.name]))
+    assert not missing, f"adapters/README.md does not name {missing}: add each to its adapter's table"
+
+
+def test_a_module_named_only_in_another_adapters_section_is_missing():
+    text = (ADAPTERS / "README.md").read_text()
+    assert "`trim.py`" in _readme_section(text, ADAPTER_SECTIONS["trl"])
+    assert "`verify_driver.py`" not in _readme_section(text, ADAPTER_SECTIONS["trl"])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from grpo_patches.errors import OptionError
-from grpo_patches.adapters.trl.loss_types import LOSS_TYPES as TRL_LOSS_TYPES
-from grpo_patches.adapters.trl.loss_types import tiled_loss_preset
+from grpo_patches.adapters.trl.loss_modes import LOSS_TYPES as TRL_LOSS_TYPES
+from grpo_patches.adapters.trl.loss_modes import tiled_loss_preset
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
 from tests.helpers.tiled_loss_helpers import assert_close, compare, make_case, max_rel, run, trl_loss
 

@@ -14,28 +14,15 @@ import pytest
 import torch
 
 from grpo_patches.tiled_loss import dense_grpo_loss, gemm, tiled_grpo_loss, tiled_token_stats
-from tests.helpers.tiled_loss_helpers import make_case, max_rel, run, trl_loss
+from tests.helpers.tiled_loss_helpers import make_case, max_rel, policy_case, rel_l2, run, trl_loss
 
 OPTIONS = trl_loss("dapo", temperature=0.9, tile_size=64)
-
-
-def _policy_case(seed, B=4, T=64, H=64, V=1024):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g).bfloat16()
-    weight = (torch.randn(V, H, generator=g) * 2.5 / H**0.5).bfloat16()  # logit std ~2.5
-    probs = torch.softmax((hidden.double() @ weight.double().t()).reshape(-1, V) / OPTIONS["temperature"], -1)
-    labels = torch.multinomial(probs.float(), 1, generator=g).reshape(B, T)
-    return hidden, weight, labels, torch.randn(B, generator=g), (torch.rand(B, T, generator=g) > 0.1).float()
 
 
 def _grads(fn, hidden, weight, *args):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     fn(hidden, weight, *args, **OPTIONS)[0].backward()
     return {"hidden": hidden.grad, "weight": weight.grad}
-
-
-def _rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref).norm() / ref.norm())
 
 
 @pytest.fixture
@@ -46,13 +33,13 @@ def fp32_out_gemms(monkeypatch):
 
 
 def _errors(seed):
-    hidden, weight, *rest = _policy_case(seed)
+    hidden, weight, *rest = policy_case(seed, OPTIONS["temperature"])
     ref = _grads(dense_grpo_loss, hidden.double(), weight.double(), *rest)
     dense = _grads(dense_grpo_loss, hidden, weight, *rest)
     tiled = _grads(tiled_grpo_loss, hidden, weight, *rest)
     for name, r in ref.items():
         assert tiled[name].dtype == torch.bfloat16
-        yield name, _rel_l2(r.bfloat16(), r), _rel_l2(dense[name], r), _rel_l2(tiled[name], r)
+        yield name, rel_l2(r.bfloat16(), r), rel_l2(dense[name], r), rel_l2(tiled[name], r)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -2,7 +2,7 @@
 
 TRL's method runs unchanged on a stand-in trainer whose policy forward returns dense
 log-probs of ``hidden @ weight.T / temperature``; the tiled loss gets the options the TRL
-adapter computes for that trainer (:func:`grpo_patches.adapters.trl.lm_head_loss_options.loss_options`).
+adapter computes for that trainer (:func:`grpo_patches.adapters.trl.tiled_options.loss_options`).
 Compared: loss, gradients of hidden and weight, and the logged metrics.
 """
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from grpo_patches.adapters.trl.lm_head_loss_options import loss_options
+from grpo_patches.adapters.trl.tiled_options import loss_options
 from grpo_patches.tiled_loss import tiled_grpo_loss, tiled_token_stats
 from tests.helpers.tiled_loss_helpers import make_case, max_rel
 

@@ -69,18 +69,18 @@ def stand_in(ga=3, spg=2, iters=1, step=0, window=3, global_step=0, max_steps=10
 def test_decision_counts_the_real_window(index, window, expected):
     t = stand_in(window=window)
     for _ in range(index):  # micro-steps already done in this window
-        accumulation_window.track_window(lambda: None, t, (), {})
+        accumulation_window.training_step(lambda: None, t, (), {})
     d = old_logprobs.decide(t)
     assert d.compute is expected and d.upstream is True and d.window_steps_left == window - index
 
 
 def test_window_count_restarts_after_an_optimizer_step_and_a_new_state():
     t = stand_in()
-    accumulation_window.track_window(lambda: None, t, (), {})
+    accumulation_window.training_step(lambda: None, t, (), {})
     assert accumulation_window.window_index(t) == 1
     t.state.global_step += 1
     assert accumulation_window.window_index(t) == 0
-    accumulation_window.track_window(lambda: None, t, (), {})
+    accumulation_window.training_step(lambda: None, t, (), {})
     t.state = SimpleNamespace(global_step=t.state.global_step, max_steps=10)  # train() again / resume
     assert accumulation_window.window_index(t) == 0
 
@@ -88,7 +88,7 @@ def test_window_count_restarts_after_an_optimizer_step_and_a_new_state():
 def test_consumptions_are_capped_at_the_end_of_training():
     t = stand_in(global_step=9, max_steps=10)  # the last window: nothing consumes after it
     for _ in range(2):
-        accumulation_window.track_window(lambda: None, t, (), {})
+        accumulation_window.training_step(lambda: None, t, (), {})
     d = old_logprobs.decide(t)
     assert (d.consumptions_left, d.window_steps_left, d.compute) == (1, 1, False)
 

@@ -104,7 +104,7 @@ def test_loss_records_branch_on_version():
     from grpo_patches.adapters.trl import ADAPTER
     from grpo_patches.options import Options
 
-    for version, routing in (("1.16.0", "route_three"), ("0.20.0", "route_two")):
+    for version, routing in (("1.16.0", "get_per_token_logps_and_entropies_v1_7"), ("0.20.0", "get_per_token_logps_and_entropies")):
         records = {t.attribute: t for t in ADAPTER.targets(Version(version))}
         assert records["GRPOTrainer._get_per_token_logps_and_entropies"].wrapper.endswith(routing)
         assert records["GRPOTrainer._compute_loss"].option == "zero_advantage_filter"

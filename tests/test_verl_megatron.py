@@ -107,11 +107,11 @@ def test_per_token_loss_keeps_megatrons_token_count(workers, tolerance, record_p
 @pytest.mark.parametrize("kind", ["plain", pytest.param("per_token", marks=PER_TOKEN)])
 def test_a_planted_fault_fails_the_comparison(workers, kind, monkeypatch, record_property):
     """The naive filter (kept rows, the loss renormalised by the kept tokens) is caught."""
-    from grpo_patches.adapters.verl import filter_engine
+    from grpo_patches.adapters.verl import zero_advantage_engine
 
     worker = workers[False if kind == "plain" else kind]
     ref = worker.run(None)
-    monkeypatch.setattr(filter_engine, "forward_backward_batch", mh.renormalising_filter)
+    monkeypatch.setattr(zero_advantage_engine, "forward_backward_batch", mh.renormalising_filter)
     got = worker.run(FILTER)
     err = h.max_rel(got, ref)
     record_property(f"fault_renormalised_grad_rel_{kind}", err)

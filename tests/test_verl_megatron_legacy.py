@@ -100,10 +100,10 @@ def test_per_token_loss_setting_keeps_the_gradient(workers, tolerance, record_pr
 
 def test_a_planted_fault_fails_the_comparison(workers, monkeypatch, record_property):
     """The naive filter (the kept rows re-split and re-averaged by verl) is caught."""
-    from grpo_patches.adapters.verl import filter_megatron_legacy
+    from grpo_patches.adapters.verl import zero_advantage_megatron_legacy
 
     ref = workers["plain"].run(None, zero="grouped")
-    monkeypatch.setattr(filter_megatron_legacy, "forward_backward_batch", lh.renormalising_filter)
+    monkeypatch.setattr(zero_advantage_megatron_legacy, "forward_backward_batch", lh.renormalising_filter)
     got = workers["plain"].run(FILTER, zero="grouped")
     err = h.max_rel(got, ref)
     record_property("fault_renormalised_grad_rel_legacy", err)
@@ -137,10 +137,10 @@ def test_on_policy_update_skips_the_old_logprob_pass(workers, tolerance, record_
 
 
 def _placeholder_batch(worker):
-    from grpo_patches.adapters.verl import placeholder
+    from grpo_patches.adapters.verl import placeholders
 
     data = worker.data()
-    data.batch["old_log_probs"] = placeholder.like(data.batch["old_log_probs"])
+    data.batch["old_log_probs"] = placeholders.like(data.batch["old_log_probs"])
     return data
 
 
@@ -148,7 +148,7 @@ def _placeholder_batch(worker):
 def test_a_placeholder_is_never_read_as_log_probs(workers):
     """Off-policy (two mini-batches) with skipped old log-probs: an error before anything is trained;
     a worker without the skip's substitution: verl's policy loss refuses the placeholder."""
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+    from grpo_patches.adapters.verl.placeholders import PlaceholderError
 
     worker = workers["plain"]
     with pytest.raises(PlaceholderError, match="not on-policy"):

@@ -102,8 +102,8 @@ def test_the_wrong_first_mini_batch_stops_the_run(monkeypatch):
 
 @pytest.mark.skipif(not ENGINE, reason="0.7's legacy actor splits mini-batches in order (no shuffle)")
 def test_a_plan_that_ignores_the_shuffle_stops_the_run(monkeypatch):
-    from grpo_patches.adapters.verl import old_logprob_rows_plan as plan
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+    from grpo_patches.adapters.verl import needed_rows as plan
+    from grpo_patches.adapters.verl.placeholders import PlaceholderError
 
     real = plan._engine_first
     monkeypatch.setattr(plan, "_engine_first", lambda actor, per_rank, mini, rank: real(
@@ -129,8 +129,8 @@ def test_the_trainer_runs_the_whole_pass_when_its_workers_do_not_substitute(monk
 def test_a_wrong_filter_prediction_stops_the_run(monkeypatch):
     """Plant a fault: the trainer believes the workers' filter drops zero-advantage rows, the
     workers run without it: such a row reaching the loss after a step is refused."""
-    from grpo_patches.adapters.verl import old_logprob_rows_plan as plan
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+    from grpo_patches.adapters.verl import needed_rows as plan
+    from grpo_patches.adapters.verl.placeholders import PlaceholderError
 
     monkeypatch.setattr(plan, "filter_drops_zero_rows", lambda trainer: True)
     with pytest.raises(PlaceholderError, match="without old log-probs after 1 optimizer step"):

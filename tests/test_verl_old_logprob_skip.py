@@ -107,7 +107,7 @@ def test_engine_pass_runs_when_something_reads_it(config):
 
 @pytest.mark.skipif(not ENGINE_OLD_SKIP, reason="engine line (0.8+)")
 def test_engine_refuses_a_skip_on_an_update_that_is_not_on_policy():
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+    from grpo_patches.adapters.verl.placeholders import PlaceholderError
 
     with pytest.raises(PlaceholderError, match="not on-policy"):
         engine_runs.old_pass_then_update(SKIP, mini=8, placeholder=True)  # two mini-batches, yet a skipped pass
@@ -118,12 +118,12 @@ def test_a_placeholder_reaching_the_loss_stops_the_run():
     """Whatever the options (here: logprob_skip=False, so no substitution), verl's policy loss
     refuses placeholder old log-probs. verl alone logs a NaN loss and steps the optimizer with a
     zero gradient (its grad norm is 0, finite: no warning) — an update that silently does nothing."""
-    from grpo_patches.adapters.verl import placeholder
+    from grpo_patches.adapters.verl import placeholders
 
-    td = engine_runs.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
-    with pytest.raises(placeholder.PlaceholderError, match="logprob_skip=False"):
+    td = engine_runs.engine_batch(extra={"old_log_probs": placeholders.like(h.make_batch()["response_mask"])})
+    with pytest.raises(placeholders.PlaceholderError, match="logprob_skip=False"):
         engine_runs.shared_worker().run_td(td, {"logprob_skip": False, "zero_advantage_filter": False})
-    td = engine_runs.engine_batch(extra={"old_log_probs": placeholder.like(h.make_batch()["response_mask"])})
+    td = engine_runs.engine_batch(extra={"old_log_probs": placeholders.like(h.make_batch()["response_mask"])})
     run = engine_runs.shared_worker().run_td(td, None)  # verl alone
     (loss,), (grad_norm,) = run.metrics["actor/pg_loss"], run.metrics["grad_norm"]
     assert loss != loss and grad_norm == 0.0 and not run.grads[0].any()
@@ -165,7 +165,7 @@ def test_a_worker_substitutes_only_with_logprob_skip_and_its_records_applied():
 def test_an_update_that_does_not_confirm_the_substitution_stops_the_run():
     from types import SimpleNamespace
 
-    from grpo_patches.adapters.verl import placeholder, skip_guarantee
+    from grpo_patches.adapters.verl import old_logprobs, placeholders, skip_guarantee
 
     class Trainer:
         pass
@@ -177,12 +177,12 @@ def test_an_update_that_does_not_confirm_the_substitution_stops_the_run():
 
     h.patches(SKIP)
     try:
-        skip_guarantee.update_actor(update({}), trainer, (None,), {})  # no skip pending: nothing to confirm
+        old_logprobs.update_actor(update({}), trainer, (None,), {})  # no skip pending: nothing to confirm
         skip_guarantee.expect_substitution(trainer)
-        with pytest.raises(placeholder.PlaceholderError, match="did not report substituting"):
-            skip_guarantee.update_actor(update({"actor/pg_loss": [0.1]}), trainer, (None,), {})
+        with pytest.raises(placeholders.PlaceholderError, match="did not report substituting"):
+            old_logprobs.update_actor(update({"actor/pg_loss": [0.1]}), trainer, (None,), {})
         skip_guarantee.expect_substitution(trainer)
-        skip_guarantee.update_actor(update({"actor/grpo_patches/old_log_probs_substituted": [1.0]}), trainer,
-                                    (None,), {})
+        old_logprobs.update_actor(update({"actor/grpo_patches/old_log_probs_substituted": [1.0]}), trainer,
+                                  (None,), {})
     finally:
         h.patches(None)

@@ -75,7 +75,7 @@ def _kv_batch():
 @pytest.mark.parametrize("config,skipped", [({}, True), ({"mini": 8}, False), ({"use_kl_in_reward": True}, False)])
 def test_v1_trainer_skips_the_pass_into_a_placeholder(monkeypatch, config, skipped):
     pytest.importorskip("transfer_queue")
-    from grpo_patches.adapters.verl import placeholder
+    from grpo_patches.adapters.verl import placeholders
 
     engine_runs.import_worker_modules()
     mask = h.make_batch()["response_mask"]
@@ -92,7 +92,7 @@ def test_v1_trainer_skips_the_pass_into_a_placeholder(monkeypatch, config, skipp
     finally:
         h.patches(None)
     old = store.fields["old_log_probs"]
-    assert old.shape == mask.shape and placeholder.fills(old)  # NaN, never readable as log-probs
+    assert old.shape == mask.shape and placeholders.fills(old)  # NaN, never readable as log-probs
     assert torch.isnan(old).all()
     assert "entropy" not in store.fields and "actor/entropy" not in metrics  # no placeholder metric
 

@@ -171,7 +171,7 @@ def test_dropout_with_disable_trains_on_verls_pass_and_tells_the_trainer(dropout
 
 
 def test_the_trainer_adopts_a_switch_off_and_runs_the_pass_again():
-    from grpo_patches.adapters.verl.skip_guarantee import update_actor
+    from grpo_patches.adapters.verl.old_logprobs import update_actor
 
     class Output:
         meta_info = {"metrics": {"actor/grpo_patches/verify/switched_off/logprob_skip": 1.0}}
@@ -201,7 +201,7 @@ def test_the_skipped_reference_pass_is_checked(worker):
 
 @engine_only
 def test_verify_is_refused_on_the_megatron_engine():
-    from grpo_patches.adapters.verl import verify_engine
+    from grpo_patches.adapters.verl import verify_megatron
 
     class Megatron:
         pass
@@ -214,7 +214,8 @@ def test_verify_is_refused_on_the_megatron_engine():
     h.patches({**FILTER, "verify_every": 1})
     try:
         with pytest.raises(IncompatibleOptionsError, match="Megatron"):
-            verify_engine.megatron_forward_backward_batch(lambda *a: None, Megatron(), ({}, loss, False), {})
+            verify_megatron.forward_backward_batch(lambda data, loss_function, forward_only=False: None, Megatron(),
+                                                   ({}, loss, False), {})
     finally:
         h.patches(None)
 
@@ -262,10 +263,10 @@ def test_legacy_skipped_passes_are_verified():
     ref_skip = h.legacy_run({**SKIP, "verify_every": 1}, use_kl_loss=True, kl_loss_coef=0.0)
     assert ref_skip.metrics[GRAD] == [0.0]  # the KL term at coefficient 0, with and without: bitwise
     if installed() >= __import__("packaging.version").version.Version("0.7"):
-        from grpo_patches.adapters.verl import placeholder
+        from grpo_patches.adapters.verl import placeholders
 
         mask = h.make_batch()["response_mask"]
-        got = h.legacy_run({**SKIP, "verify_every": 1}, batch_extra={"old_log_probs": placeholder.like(mask)})
+        got = h.legacy_run({**SKIP, "verify_every": 1}, batch_extra={"old_log_probs": placeholders.like(mask)})
         assert got.metrics[GRAD] == [0.0] and got.metrics["grpo_patches/old_log_probs_substituted"] == 1.0
 
 

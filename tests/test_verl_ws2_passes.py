@@ -48,7 +48,7 @@ def _legacy_old_skip(rank: int) -> dict:
     """This rank's actor: verl's old-logprob pass then the update, vs the skipped pass."""
     from verl import DataProto
 
-    from grpo_patches.adapters.verl import placeholder
+    from grpo_patches.adapters.verl import placeholders
 
     def update(options, old):
         h.patches(options)
@@ -74,7 +74,7 @@ def _legacy_old_skip(rank: int) -> dict:
                 batch["old_log_probs"] = log_probs
                 meta = {"temperature": 1.0}
             else:  # what the patched trainer hands over: the placeholder, no marker
-                batch["old_log_probs"] = placeholder.like(batch["response_mask"])
+                batch["old_log_probs"] = placeholders.like(batch["response_mask"])
                 meta = {"temperature": 1.0}
             run.metrics.update(actor.update_policy(DataProto.from_dict(tensors=batch, meta_info=meta)))
         finally:
@@ -91,7 +91,7 @@ def _engine_old_skip(rank: int, worker) -> dict:
     from tensordict.tensorclass import NonTensorData
     from verl.utils import tensordict_utils as tu
 
-    from grpo_patches.adapters.verl import placeholder
+    from grpo_patches.adapters.verl import placeholders
 
     def td():
         t = engine_runs.engine_batch(rank, 2)
@@ -112,7 +112,7 @@ def _engine_old_skip(rank: int, worker) -> dict:
     ref_td["old_log_probs"] = padded["log_probs"]
     ref = worker.run_td(ref_td, None)
     got_td = td()
-    got_td["old_log_probs"] = placeholder.like(mask)
+    got_td["old_log_probs"] = placeholders.like(mask)
     got = worker.run_td(got_td, SKIP)
     (entropy,) = got.metrics.get("actor/entropy", [None])
     return {"err": h.max_rel(got, ref), "steps": len(got.grads), "entropy": entropy, "trainer_entropy": trainer_entropy}

@@ -17,7 +17,7 @@ import torch
 import grpo_patches
 from grpo_patches.errors import IncompatibleOptionsError, OptionError
 from grpo_patches.plugins import hook
-from grpo_patches.adapters.trl.loss_types import denominator as trl_denominator
+from grpo_patches.adapters.trl.loss_modes import denominator as trl_denominator
 from grpo_patches.zero_advantage import (
     DENOMINATORS,
     GradientTerm,
@@ -144,7 +144,7 @@ def terms(**values):
     """GradientTerms as the TRL adapter describes its settings (beta, entropy, quantile ...)."""
     from types import SimpleNamespace
 
-    from grpo_patches.adapters.trl.loss_types import gradient_terms
+    from grpo_patches.adapters.trl.loss_modes import gradient_terms
 
     described = {t.setting: t for t in gradient_terms(SimpleNamespace(aux_loss_enabled=True, use_adaptive_entropy=False))}
     described["entropy_coeff"] = GradientTerm("entropy_coeff", 0.0, "an entropy bonus")  # verl's name

@@ -16,17 +16,16 @@ import os
 import sys
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 from grpo_patches.caller_frame import unwrap
 from grpo_patches.errors import GrpoPatchesError, OptionError
 from grpo_patches.options import Options, parse_env_options
-from grpo_patches.refuse_or_note import refuse_or_note
 from grpo_patches.startup_path import FRAMEWORKS_ENV, OPTIONS_ENV, STARTUP_DIR_ENV
 
-from . import reference, version
-from .calls import arguments
-from .settings import gradient_terms, setting
-from .state import FRAMEWORK
+from . import FRAMEWORK, PACKAGE, reference, version
+from .calls import setting
+from .loss_modes import gradient_terms
+from .state import SETUP, SetupCall
 from .tiled_coverage import not_reproduced, unsupported_loss_settings
 
 #: Options that act in the workers (they read them from ``GRPO_PATCHES_OPTIONS``).
@@ -37,8 +36,8 @@ WORKER_OPTIONS = ("zero_advantage_filter", "tiled_loss", "tile_size", "dropped_r
 def workers_reached(environ: Any = os.environ) -> tuple[bool, str]:
     """Whether Ray workers started from this environment get grpo_patches, and why."""
     names = {n.strip() for n in environ.get(FRAMEWORKS_ENV, "").split(",")}
-    if not names & {FRAMEWORK, "all"}:
-        return False, f"{FRAMEWORKS_ENV} does not name {FRAMEWORK}"
+    if not names & {FRAMEWORK.name, "all"}:
+        return False, f"{FRAMEWORKS_ENV} does not name {FRAMEWORK.name}"
     startup = environ.get(STARTUP_DIR_ENV)
     if not startup or startup not in environ.get("PYTHONPATH", "").split(os.pathsep):
         return False, "no grpo_patches start-up directory on PYTHONPATH"
@@ -51,9 +50,9 @@ def check_worker_options(options: Options, environ: Any = os.environ) -> None:
     if not reached:
         wanted = [o for o in WORKER_OPTIONS if getattr(options, o) not in (False, None)
                   and o not in ("dropped_rows_metrics", "verify_action", "verify_tolerance")]
-        api.note(FRAMEWORK, "workers", f"not reached ({why}): the zero-advantage filter and the tiled loss run "
-                                       "in the Ray workers only; start the driver with `grpo-patches run -- ...`"
-                 + (f" (asked for: {', '.join(wanted)})" if wanted else ""))
+        FRAMEWORK.note("workers", f"not reached ({why}): the zero-advantage filter and the tiled loss run in the "
+                                  "Ray workers only; start the driver with `grpo-patches run -- ...`"
+                       + (f" (asked for: {', '.join(wanted)})" if wanted else ""))
         return
     try:
         theirs = Options.from_kwargs(parse_env_options(environ.get(OPTIONS_ENV, "")))
@@ -63,11 +62,11 @@ def check_worker_options(options: Options, environ: Any = os.environ) -> None:
     if differ:
         wanted = ",".join(f"{o}={getattr(options, o)}" for o in differ)
         raise OptionError(
-            f"grpo_patches.enable('nemo_rl', ...) in the driver sets {wanted}, but the Ray workers read their "
+            f"grpo_patches.enable({FRAMEWORK.name!r}, ...) in the driver sets {wanted}, but the Ray workers read their "
             f"options from {OPTIONS_ENV}={environ.get(OPTIONS_ENV, '')!r}. Set {OPTIONS_ENV} (e.g. "
             f"`grpo-patches run --options {wanted} -- ...`) or pass the same options to enable()"
         )
-    api.note(FRAMEWORK, "workers", f"reached {why}")
+    FRAMEWORK.note("workers", f"reached {why}")
 
 
 def _probe_loss(config: Any, grpo_module: Any) -> Any:
@@ -79,39 +78,36 @@ def _probe_loss(config: Any, grpo_module: Any) -> Any:
         return None
 
 
-def check_loss_options(options: Options, loss_fn: Any) -> None:
+def check_loss_options(loss_fn: Any) -> None:
     """``True`` options that this loss configuration would make inexact raise now (``refuse_or_note``;
     ``"auto"`` is decided by the workers, from the loss object they receive)."""
     from grpo_patches.zero_advantage import filter_problems
 
-    if api.strict(FRAMEWORK, "zero_advantage_filter"):
+    if FRAMEWORK.strict("zero_advantage_filter"):
         problems = filter_problems(gradient_terms(loss_fn))
         if problems:
-            refuse_or_note(FRAMEWORK, "zero_advantage_filter", problems)
-    if api.strict(FRAMEWORK, "tiled_loss"):
+            FRAMEWORK.refuse_or_note("zero_advantage_filter", problems)
+    if FRAMEWORK.strict("tiled_loss"):
         problems = unsupported_loss_settings(loss_fn)
         if problems:
-            refuse_or_note(FRAMEWORK, "tiled_loss", not_reproduced(problems))
+            FRAMEWORK.refuse_or_note("tiled_loss", not_reproduced(problems))
 
 
-def setup_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``grpo.setup(master_config, ...)``."""
-    options = api.active_options(FRAMEWORK)
-    if options is None:
+def setup(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)``: the checks, then the call as a :class:`~.state.SetupCall`
+    (v0.5 / v0.6: the reference decision, read when the policy is built, :mod:`.reference`)."""
+    if not FRAMEWORK.enabled:
         return wrapped(*args, **kwargs)
-    config = arguments(wrapped, args, kwargs)["master_config"]
-    check_worker_options(options)
+    config = bind(wrapped, args, kwargs)["master_config"]
+    check_worker_options(FRAMEWORK.options)
     probe = _probe_loss(config, sys.modules[unwrap(wrapped).__module__])
     if probe is not None:
-        check_loss_options(options, probe)
-    decision = reference.decide(config) if options.logprob_skip else None
-    if version.at_least("0.7.0"):
+        check_loss_options(probe)
+    decision = reference.decide(config) if FRAMEWORK.on("logprob_skip") else None
+    if version.at_least(PACKAGE, "0.7.0"):
         reference.note_upstream(decision)
         return wrapped(*args, **kwargs)
     if decision is not None and not decision.skip:
-        api.note(FRAMEWORK, "reference_pass", f"runs: {decision.reason}")
-    token = reference.IN_SETUP.set(decision)
-    try:
+        FRAMEWORK.note("reference_pass", f"runs: {decision.reason}")
+    with SETUP.entered(SetupCall(reference=decision)):
         return wrapped(*args, **kwargs)
-    finally:
-        reference.IN_SETUP.reset(token)

@@ -1,7 +1,7 @@
 """Logs of a step whose prev-logprob pass did not run: no zero placeholder logged as if real.
 
 (Also: a metric ``grpo_train`` reads although the zero-advantage filter renamed it to a
-kept-rows value, :data:`~.train_call.READ_BY_LOOP`, is never logged under the all-rows name.)
+kept-rows value, :data:`~.policy_train.READ_BY_LOOP`, is never logged under the all-rows name.)
 
 When the pass is skipped (by grpo_patches, or by NeMo-RL's own ``force_on_policy_ratio``),
 ``train_data["prev_logprobs"]`` holds zeros and NeMo-RL fills the sequence-level log-prob
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 
-from .calls import arguments
-from .state import ACTIVE_LOOP, FRAMEWORK
+from . import FRAMEWORK
+from .state import LOOP
 
 #: NeMo-RL's names of the sequence-level error metrics it fills with zeros on a skipped pass.
 PLACEHOLDER_METRICS = (
@@ -29,12 +29,12 @@ PLACEHOLDER_METRICS = (
 )
 
 
-def log_metrics_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def log_metrics(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Logger.log_metrics(metrics, step, prefix="", ...)``."""
-    loop = ACTIVE_LOOP.get()
+    loop = LOOP.current()
     if loop is None:
         return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     metrics = call["metrics"]
     drop = set(loop.unlogged)
     if loop.placeholders:
@@ -42,27 +42,25 @@ def log_metrics_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple,
     if not drop & set(metrics):
         return wrapped(*args, **kwargs)
     if loop.placeholders:
-        api.note(FRAMEWORK, "placeholder_metrics", f"not logged (the prev-logprob pass did not run): "
-                                                   f"{', '.join(PLACEHOLDER_METRICS)}")
-    call["metrics"] = {k: v for k, v in metrics.items() if k not in drop}
-    return wrapped(**call)
+        FRAMEWORK.note("placeholder_metrics", f"not logged (the prev-logprob pass did not run): "
+                                              f"{', '.join(PLACEHOLDER_METRICS)}")
+    return call.call(wrapped, metrics={k: v for k, v in metrics.items() if k not in drop})
 
 
-def log_jsonl_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def log_batched_dict_as_jsonl(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Logger.log_batched_dict_as_jsonl(to_log, filename)``: no ``prev_logprobs`` column of zeros."""
-    loop = ACTIVE_LOOP.get()
+    loop = LOOP.current()
     if loop is None or not loop.prev_is_zero:
         return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     if "prev_logprobs" not in call["to_log"]:
         return wrapped(*args, **kwargs)
-    call["to_log"] = {k: v for k, v in call["to_log"].items() if k != "prev_logprobs"}
-    return wrapped(**call)
+    return call.call(wrapped, to_log={k: v for k, v in call["to_log"].items() if k != "prev_logprobs"})
 
 
-def log_plot_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def log_plot_token_mult_prob_error(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Logger.log_plot_token_mult_prob_error(data, step, name)``: not drawn from zero prev."""
-    loop = ACTIVE_LOOP.get()
+    loop = LOOP.current()
     if loop is not None and loop.prev_is_zero:
         return None
     return wrapped(*args, **kwargs)

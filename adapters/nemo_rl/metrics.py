@@ -3,13 +3,13 @@
 * :func:`report_filter_counters`: the zero-advantage filter's counters of one worker train
   call (v0.6.0+) go into the metrics ``train`` returns (``grpo_patches/<counter>``, logged by
   NeMo-RL) and into the worker's savings (v0.5.0: :mod:`.loss_call`; the driver's counter of
-  skipped prev-logprob passes: :mod:`.train_call`; placeholders kept out of the logs:
+  skipped prev-logprob passes: :mod:`.policy_train`; placeholders kept out of the logs:
   :mod:`.honest_logs`).
 * :func:`adjust_kept_rows`: the loss metrics of a micro-batch the zero-advantage filter
-  reshaped (``dropped_rows_metrics=False``). NeMo-RL's ``ClippedPGLossFn`` reports means divided by the *global* counts, and the worker
-sums them over micro-batches; without the dropped rows each would silently become "sum over
-the kept rows / all rows". The shared meaning of ``dropped_rows_metrics`` (see
-:class:`grpo_patches.options.Options`) is kept instead:
+  reshaped (``dropped_rows_metrics=False``). NeMo-RL's ``ClippedPGLossFn`` reports means divided
+  by the *global* counts, and the worker sums them over micro-batches; without the dropped rows
+  each would silently become "sum over the kept rows / all rows". The shared meaning of
+  ``dropped_rows_metrics`` (see :class:`grpo_patches.options.Options`) is kept instead:
 
 * ``loss``, ``kl_penalty``, ``positive_nll_loss``: dropped rows add exactly 0 (advantage 0,
   KL penalty 0, NLL weight 0 — the filter runs only then): unchanged;
@@ -21,17 +21,16 @@ the kept rows / all rows". The shared meaning of ``dropped_rows_metrics`` (see
 * every other metric needs the dropped rows' forward: it is logged as ``<name>/kept_rows``, a
   mean over the rows that ran (rescaled from the global count to the kept count, per the
   metric's normalisation: main's ``loss_fn.metric_normalizations``, the same table for older
-  tags); extrema are combined by the driver (:mod:`.train_call`).
+  tags); extrema are combined by the driver (:mod:`.policy_train`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches import savings
-
-from .settings import loss_mode
-from .state import COUNTERS, FRAMEWORK, METRIC_PREFIX, GlobalBatchFilter
+from . import FRAMEWORK
+from .loss_modes import loss_mode
+from .state import COUNTERS, METRIC_PREFIX, GlobalBatchFilter
 
 SUFFIX = "/kept_rows"
 UNCHANGED = ("loss", "kl_penalty", "positive_nll_loss")
@@ -107,4 +106,4 @@ def report_filter_counters(train: Any, result: Any) -> None:
     if metrics is not None:
         for name, value in counts.items():
             metrics[METRIC_PREFIX + name] = [float(value)]
-    savings.report(FRAMEWORK, **{k: v for k, v in counts.items() if v})
+    FRAMEWORK.report_savings(**{k: v for k, v in counts.items() if v})

@@ -10,7 +10,7 @@ from the only optimizer step that consumes the batch). Provably on-policy means:
 * one optimizer step per rollout batch: ``num_prompts_per_step * num_generations_per_prompt
   // train_global_batch_size`` is 1 — asked of the ``grpo_recompute_old_logps`` hook (one
   consumption per optimizer step, a window of one), and checked again on every
-  ``Policy.train`` call (:mod:`.train_call`, which runs the pass after all if a call would make
+  ``Policy.train`` call (:mod:`.policy_train`, which runs the pass after all if a call would make
   more optimizer steps);
 * nothing else reads the log-probs (``needed_elsewhere``): no importance-sampling correction,
   no ``grpo.seq_logprob_error_threshold``, no advantage estimator that uses them
@@ -34,17 +34,17 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 from grpo_patches.patching import overriding_class
 from grpo_patches.plugins import hook
 
-from . import prev_rows
-from .calls import arguments, zero_logprobs
-from .settings import setting
-from .state import ACTIVE_LOOP, FRAMEWORK, LoopState
+from . import FRAMEWORK, POLICY, old_logprob_rows
+from .calls import setting
+from .placeholders import zero_logprobs
+from .state import LOOP, LoopCall
 
 
-def _needed_elsewhere(loop: LoopState) -> list[str]:
+def _needed_elsewhere(loop: LoopCall) -> list[str]:
     """What besides the policy ratio reads this run's prev log-probs."""
     config, loss = loop.config, loop.loss_fn
     needs = []
@@ -61,7 +61,7 @@ def _needed_elsewhere(loop: LoopState) -> list[str]:
     return needs
 
 
-def _inexact(loop: LoopState) -> list[str]:
+def _inexact(loop: LoopCall) -> list[str]:
     """Why the loss would not reproduce the pass from the detached current log-probs, or the zero
     placeholder could reach a loss that reads it (the skip is exact only through the patched
     ``Policy.train``, which puts ``ClippedPGLossFn`` on its on-policy path for the call)."""
@@ -70,7 +70,7 @@ def _inexact(loop: LoopState) -> list[str]:
                 for name in ("disable_ppo_ratio", "use_cispo") if getattr(loss, name, False)]
     if type(loss).__name__ != "ClippedPGLossFn":
         problems.append(f"the loss is {type(loss).__name__}, not ClippedPGLossFn (no known on-policy path)")
-    policy_module = sys.modules.get("nemo_rl.models.policy.lm_policy")
+    policy_module = sys.modules.get(POLICY)
     policy_class = getattr(policy_module, "Policy", None)
     if isinstance(policy_class, type) and isinstance(loop.policy, policy_class):
         owner = overriding_class(type(loop.policy), policy_class, "train")
@@ -89,16 +89,15 @@ def train_batch_size(policy: Any, gbs: int | None = None) -> int:
 DEFERRED = "deferred"
 
 
-def decide(loop: LoopState, rows: int | None = None) -> str | None:
+def decide(loop: LoopCall, rows: int | None = None) -> str | None:
     """``None`` when this step's pass may be skipped, :data:`DEFERRED` when it is deferred to
-    ``Policy.train`` for the rows after the first optimizer step (:mod:`.prev_rows`, option
+    ``Policy.train`` for the rows after the first optimizer step (:mod:`.old_logprob_rows`, option
     ``recompute``), else why it runs.
 
     :param rows: the batch's rows when known (v0.5 / v0.6 see it), else the configured
         rollout batch ``num_prompts_per_step * num_generations_per_prompt``.
     """
-    options = api.active_options(FRAMEWORK)
-    if options is None or not options.logprob_skip:  # verify mode's "disable" switched it off
+    if not FRAMEWORK.on("logprob_skip"):  # verify mode's "disable" switched it off
         return "runs: logprob_skip is off (switched off by verification: see the logprob_skip note)"
     inexact = _inexact(loop)
     if inexact:
@@ -109,14 +108,14 @@ def decide(loop: LoopState, rows: int | None = None) -> str | None:
     gbs = train_batch_size(loop.policy)
     steps = max(1, rows // gbs) if gbs else 1
     needed = _needed_elsewhere(loop)
-    compute = hook().grpo_recompute_old_logps(framework=FRAMEWORK, consumptions_left=steps, window_steps_left=1,
+    compute = hook().grpo_recompute_old_logps(framework=FRAMEWORK.name, consumptions_left=steps, window_steps_left=1,
                                               needed_elsewhere=bool(needed))
     if not compute:
         return None
     if needed:
         return f"runs: needed by {'; '.join(needed)}"
     if steps > 1:
-        why = prev_rows.why_not(loop)
+        why = old_logprob_rows.why_not(loop)
         if why is None:
             return DEFERRED
         return (f"runs: {rows} rows per step make {steps} optimizer steps (train_global_batch_size={gbs}); "
@@ -126,48 +125,43 @@ def decide(loop: LoopState, rows: int | None = None) -> str | None:
 
 def _note(reason: str | None) -> None:
     if reason == DEFERRED:
-        return  # noted at train time, where the rows are known (:mod:`.prev_rows`)
+        return  # noted at train time, where the rows are known (:mod:`.old_logprob_rows`)
     text = ("skipped: provably on-policy (one optimizer step per rollout batch, nothing else reads them); "
             "the loss uses the detached current log-probs") if reason is None else reason
-    api.note(FRAMEWORK, "prev_logprobs", text)
+    FRAMEWORK.note("old_logprob_pass", text)
 
 
-def grpo_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``grpo.grpo_train``: the synchronous loop, the only one whose steps can be on-policy."""
-    options = api.active_options(FRAMEWORK)
-    if options is None or not options.logprob_skip:
+def grpo_train(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.grpo_train``: the synchronous loop, the only one whose steps can be on-policy; the
+    call is a :class:`~.state.LoopCall` (:mod:`.state`: who reads what of it)."""
+    if not FRAMEWORK.on("logprob_skip"):
         return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
-    loop = LoopState(policy=call["policy"], loss_fn=call["loss_fn"], config=call["master_config"])
-    token = ACTIVE_LOOP.set(loop)
-    try:
+    call = bind(wrapped, args, kwargs)
+    with LOOP.entered(LoopCall(policy=call["policy"], loss_fn=call["loss_fn"], config=call["master_config"])):
         return wrapped(*args, **kwargs)
-    finally:
-        ACTIVE_LOOP.reset(token)
 
 
-def async_train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def async_grpo_train(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``grpo.async_grpo_train``: generation runs ahead of training there, so a trajectory may come
     from older weights than the step that consumes it: never provably on-policy, the pass runs.
     Patched only so that ``status()`` says so instead of saying nothing."""
-    options = api.active_options(FRAMEWORK)
-    if options is not None and options.logprob_skip:
-        api.note(FRAMEWORK, "prev_logprobs", "runs: async_grpo_train trains on trajectories that older weights may "
-                                             "have generated (not provably on-policy; NeMo-RL >= 0.7.0 skips it "
-                                             "itself only under loss_fn.force_on_policy_ratio)")
+    if FRAMEWORK.on("logprob_skip"):
+        FRAMEWORK.note("old_logprob_pass", "runs: async_grpo_train trains on trajectories that older weights may have "
+                                           "generated (not provably on-policy; NeMo-RL >= 0.7.0 skips it itself only "
+                                           "under loss_fn.force_on_policy_ratio)")
     return wrapped(*args, **kwargs)
 
 
-def skip_predicate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def skip_prev_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``opd._skip_prev_logprobs(master_config)`` (v0.7.0+), asked once per step by ``grpo_train``."""
     upstream = wrapped(*args, **kwargs)
-    loop = ACTIVE_LOOP.get()
+    loop = LOOP.current()
     if loop is None:
         return upstream
     if upstream:
         loop.prev, loop.placeholders = "upstream", True
-        api.note(FRAMEWORK, "prev_logprobs", "skipped by NeMo-RL itself (loss_fn.force_on_policy_ratio; nothing "
-                                             "counted as saved)")
+        FRAMEWORK.note("old_logprob_pass", "skipped by NeMo-RL itself (loss_fn.force_on_policy_ratio; nothing "
+                                           "counted as saved)")
         return upstream
     reason = decide(loop)
     _note(reason)
@@ -177,12 +171,13 @@ def skip_predicate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tup
     return skip
 
 
-def get_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``Policy.get_logprobs`` (v0.5 / v0.6) inside ``grpo_train``: zeros when provably on-policy."""
-    loop = ACTIVE_LOOP.get()
-    if loop is None or loop.bypass or instance is not loop.policy:
+def get_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``Policy.get_logprobs`` (v0.5 / v0.6) inside ``grpo_train``: zeros when provably on-policy
+    (the pass the adapter runs itself, late or on a subset of rows, runs with ``FRAMEWORK.unpatched()``)."""
+    loop = LOOP.current()
+    if loop is None or instance is not loop.policy:
         return wrapped(*args, **kwargs)
-    data = arguments(wrapped, args, kwargs)["data"]
+    data = bind(wrapped, args, kwargs)["data"]
     reason = decide(loop, rows=int(data["input_ids"].shape[0]))
     _note(reason)
     loop.placeholders = False
@@ -195,10 +190,11 @@ def get_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
     return BatchedDataDict({"logprobs": zero_logprobs(data)})
 
 
-def seq_error_metrics_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def compute_and_apply_seq_logprob_error_masking(wrapped: Callable[..., Any], instance: Any, args: tuple,
+                                                kwargs: dict) -> Any:
     """``grpo.compute_and_apply_seq_logprob_error_masking`` (v0.6.0): placeholders when prev is
     zeros (no threshold is set then, so there is nothing to mask); dropped from the logs."""
-    loop = ACTIVE_LOOP.get()
+    loop = LOOP.current()
     if loop is None or loop.prev not in ("skipped", "deferred"):
         return wrapped(*args, **kwargs)
     loop.placeholders = True

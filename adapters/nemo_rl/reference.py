@@ -7,25 +7,22 @@ reference model always (``Policy(..., init_reference_model=True)`` by default: a
 of the weights on every worker) and run the pass every step (v0.6.0 unless
 ``grpo.skip_reference_policy_logprobs_calculation``): here, when the
 ``grpo_skip_reference_pass`` hook says so, the policy is built without it
-(:func:`policy_init_wrapper`, inside ``grpo.setup`` only) and its reference log-probs are
-answered with zeros without calling the workers (:func:`reference_logprobs_wrapper`). Zeros are
+(:func:`init`, inside ``grpo.setup`` only: :class:`~.state.SetupCall`) and its reference log-probs
+are answered with zeros without calling the workers (:func:`get_reference_policy_logprobs`). Zeros are
 what v0.7.0 itself puts there; with a KL penalty of 0 the loss never reads them.
 """
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any, Callable
 
-from grpo_patches import api, savings
+from grpo_patches.call_args import bind
 from grpo_patches.plugins import hook
 
-from .calls import arguments, zero_logprobs
-from .settings import setting
-from .state import FRAMEWORK, peek_policy, policy_state
-
-#: The reference decision while ``grpo.setup`` runs (``None`` outside it, or when not asked).
-IN_SETUP: contextvars.ContextVar[Any] = contextvars.ContextVar("grpo_patches_nemo_setup", default=None)
+from . import FRAMEWORK
+from .calls import setting
+from .placeholders import zero_logprobs
+from .state import SETUP, peek_policy, policy_state
 
 KL_SETTING = "loss_fn.reference_policy_kl_penalty"
 
@@ -33,7 +30,7 @@ KL_SETTING = "loss_fn.reference_policy_kl_penalty"
 def decide(config: Any) -> Any:
     """The ``grpo_skip_reference_pass`` hook's answer for ``master_config``."""
     kl = setting(config, KL_SETTING, 0.0)
-    return hook().grpo_skip_reference_pass(framework=FRAMEWORK, kl_coefficients={KL_SETTING: kl},
+    return hook().grpo_skip_reference_pass(framework=FRAMEWORK.name, kl_coefficients={KL_SETTING: kl},
                                            kl_metrics_requested=False)
 
 
@@ -42,30 +39,30 @@ def note_upstream(decision: Any) -> None:
     if decision is None:
         return
     if decision.skip:
-        api.note(FRAMEWORK, "reference_pass", f"skipped by NeMo-RL itself (>= 0.7.0: no reference model at KL 0; "
-                                              f"nothing counted as saved): {decision.reason}")
+        FRAMEWORK.note("reference_pass", f"skipped by NeMo-RL itself (>= 0.7.0: no reference model at KL 0; "
+                                         f"nothing counted as saved): {decision.reason}")
     else:
-        api.note(FRAMEWORK, "reference_pass", f"runs: {decision.reason}")
+        FRAMEWORK.note("reference_pass", f"runs: {decision.reason}")
 
 
-def policy_init_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Policy.__init__`` (v0.5 / v0.6): no reference model when ``grpo.setup`` decided so."""
-    decision = IN_SETUP.get()
+    setup = SETUP.current()
+    decision = setup.reference if setup is not None else None
     if decision is None or not decision.skip:
         return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     if not call.get("init_reference_model", True):
         return wrapped(*args, **kwargs)  # the caller already asked for none: nothing saved
-    call["init_reference_model"] = False
-    result = wrapped(**call)
+    result = call.call(wrapped, init_reference_model=False)
     policy_state(instance).reference_skipped = True
-    savings.report(FRAMEWORK, reference_models_not_built=1)
-    api.note(FRAMEWORK, "reference_pass", f"skipped (reference model not built, pass answered with zeros): "
-                                          f"{decision.reason}")
+    FRAMEWORK.report_savings(reference_models_not_built=1)
+    FRAMEWORK.note("reference_pass", f"skipped (reference model not built, pass answered with zeros): "
+                                     f"{decision.reason}")
     return result
 
 
-def reference_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def get_reference_policy_logprobs(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Policy.get_reference_policy_logprobs`` (v0.5 / v0.6): zeros for a policy built without
     a reference model (KL penalty 0: the loss never reads them), without calling the workers."""
     own = peek_policy(instance)
@@ -73,6 +70,6 @@ def reference_logprobs_wrapper(wrapped: Callable[..., Any], instance: Any, args:
         return wrapped(*args, **kwargs)
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-    data = arguments(wrapped, args, kwargs)["data"]
-    savings.report(FRAMEWORK, reference_passes_skipped=1)
+    data = bind(wrapped, args, kwargs)["data"]
+    FRAMEWORK.report_savings(reference_passes_skipped=1)
     return BatchedDataDict({"reference_logprobs": zero_logprobs(data)})

@@ -1,40 +1,75 @@
-"""What the NeMo-RL adapter remembers: one object per framework object or call, never loose attributes.
+"""What the NeMo-RL adapter remembers: per-instance state, and the per-call contexts its wrappers share.
 
-Driver side: :class:`PolicyState` per ``Policy`` (``grpo_patches.instance_state``, cleared by
-``disable()``) and :class:`LoopState` for one ``grpo_train`` call. Worker side:
-:class:`TrainCall` for one ``DTensorPolicyWorkerV2.train`` call and :class:`GlobalBatchFilter`
-for each global batch the zero-advantage filter reshaped. Calls are found through context
-variables: a driver loop lives exactly as long as the call; a worker train call from its first
-global batch to its statistics (:func:`active_train`).
+Per instance (``FRAMEWORK.state_of``, cleared by ``disable()``): :class:`PolicyState`,
+:class:`WorkerState`. Per call, each in its :class:`~grpo_patches.call_context.CallSlot`:
+:class:`SetupCall`, :class:`LoopCall`, :class:`TrainCall`, :class:`TiledMicrobatch`. The driver
+hands the workers plain attributes on the loss object NeMo-RL pickles to them for one
+``Policy.train`` call (:data:`PREV_IS_CURRENT`, :data:`VERIFY_PREV`, :data:`VERIFY_REFERENCE`);
+they hand back ``grpo_patches/...`` keys in the metrics ``train`` returns.
 
-One thing does cross from the driver to the workers on the loss object NeMo-RL pickles to
-them on every ``Policy.train`` call: :data:`PREV_IS_CURRENT`, a plain ``bool`` attribute (so
-that a worker without grpo_patches can still unpickle the loss), set only for that call.
+One step, in run order (module:wrapper of the attribute; ``>`` enters, ``.field`` reads or writes):
+
+Driver, ``grpo.setup`` (once): ``driver_setup:setup`` > :data:`SETUP` (``.reference``: the
+reference decision); ``reference:init`` (``Policy.__init__``, v0.5 / v0.6) reads ``.reference``.
+
+Driver, ``grpo_train``: ``old_logprobs:grpo_train`` > :data:`LOOP` for the whole loop
+(``.policy``, ``.loss_fn``, ``.config``). Each step:
+
+1. the prev-logprob pass: ``old_logprobs:skip_prev_logprobs`` (v0.7.0+) or ``:get_logprobs``
+   (v0.5 / v0.6) decide and write ``.prev``, ``.placeholders``; v0.6.0's
+   ``:compute_and_apply_seq_logprob_error_masking`` reads ``.prev``;
+2. ``policy_train:train`` (``Policy.train``) reads ``.prev``, ``.steps`` (verify mode's step) and
+   runs a late or deferred pass (:mod:`.old_logprob_rows`) with ``FRAMEWORK.unpatched()``, puts
+   the flags on the loss object, writes ``.unlogged`` from the metrics the workers returned;
+3. ``honest_logs:*`` (``Logger``) read ``.placeholders``, ``.unlogged``, ``.prev_is_zero``.
+
+Worker, one ``train()`` call (v0.6.0+, DTensor and Megatron workers alike):
+
+1. ``worker_train:process_global_batch`` (its first global batch) > :data:`TRAIN`: the worker,
+   the loss object, the frame; decides ``.filter_on``, ``.tiled_on``. Ray ships ``train`` by
+   value, so no wrapper encloses the call: it is left at ``aggregate_training_statistics``
+   (step 6), or by the next call's start when it raised (:func:`current_train` never returns a
+   call whose ``train`` frame is gone);
+2. per global batch, ``get_microbatch_iterator``: ``verify:get_microbatch_iterator`` (outermost)
+   writes ``.remake`` / ``.rebatch``; ``zero_advantage_v060:`` (``zero_advantage_megatron:``)
+   ``get_microbatch_iterator`` reads ``.filter_on``, ``.loss_fn``, writes ``.current`` (the
+   global batch's :class:`GlobalBatchFilter`) and the counters;
+3. ``verify:automodel_forward_backward`` reads ``.filter_on`` / ``.tiled_on`` and the loss
+   flags; on a verify step it writes ``.prev_diff`` / ``.reference_diff`` around the patched
+   run, runs NeMo-RL's unpatched one with ``FRAMEWORK.unpatched()`` (every other record passes
+   through) and writes ``.figures``, ``.switched_off``;
+4. per micro-batch, ``forward_with_post_processing_fn``: ``dropped_rows:`` (outer) reads
+   ``.current.metrics_only``; ``tiled:forward_with_post_processing_fn`` reads ``.tiled_on`` and
+   > :data:`MICROBATCH`, whose ``lm_head`` forward writes ``.loss`` / ``.logps``;
+   ``tiled:apply_temperature_scaling`` and ``tiled:call`` (``LossPostProcessor``) read them;
+5. ``loss_call:call_v0x0`` (``ClippedPGLossFn.__call__``) reads ``.current`` (its metrics),
+   ``.prev_diff`` / ``.reference_diff`` (verify mode's measurements) and the loss flags;
+6. ``worker_train:aggregate_training_statistics`` reads the counters, ``.figures``,
+   ``.switched_off`` into the metrics ``train`` returns, and leaves :data:`TRAIN`.
+
+v0.5.0's worker has neither name: ``zero_advantage_v050:make_microbatch_iterator`` (``BatchedDataDict``)
+> :data:`TRAIN` at each global batch of a ``train`` frame (its plan in ``.current``, the
+counters carried by the loss metrics, ``.counters_in_loss``); ``loss_call:call_v050`` reads it.
 """
 
 from __future__ import annotations
 
-import contextvars
-import sys
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_patches import instance_state
+from grpo_patches.call_context import CallSlot
 
-FRAMEWORK = "nemo_rl"
+from . import FRAMEWORK, frames
 
-#: Set on the loss object for one ``Policy.train`` call whose prev-logprob pass was skipped:
-#: the worker's loss then uses the detached current log-probs as ``prev_logprobs``.
+#: On the loss object of a ``Policy.train`` call whose prev-logprob pass was skipped: the workers'
+#: loss uses the detached current log-probs as ``prev_logprobs``.
 PREV_IS_CURRENT = "_grpo_patches_prev_is_current"
-
-#: Set on the loss object for one ``Policy.train`` call on a verify step whose prev-logprob pass was
-#: skipped: ``data["prev_logprobs"]`` then holds the real pass (run for verification only), which
-#: the patched loss does not read and the worker compares with the log-probs it used (:mod:`.verify`).
+#: ... of a verify step whose prev-logprob pass was skipped (the loss's own ``force_on_policy_ratio``):
+#: ``data["prev_logprobs"]`` holds the real pass, for the workers to compare (:mod:`.verify`).
 VERIFY_PREV = "_grpo_patches_verify_prev"
-
-#: Set (``True``) on the loss object for one ``Policy.train`` call on a verify step whose reference
-#: pass grpo_patches skipped (v0.6.0: no reference model at KL 0): the worker computes the loss
-#: with and without the zero placeholder (:mod:`.verify`).
+#: ... (``True``) of a verify step whose reference pass grpo_patches skipped (v0.6.0 at KL 0): the
+#: workers compute the loss with and without the zero placeholder (:mod:`.verify`).
 VERIFY_REFERENCE = "_grpo_patches_verify_reference"
 
 #: Prefix of what the workers add to the metrics NeMo-RL logs.
@@ -47,39 +82,39 @@ COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped", "padding_t
 
 @dataclass
 class PolicyState:
-    """Per driver ``Policy``.
-
-    :ivar reference_skipped: the reference model was not built for this policy by grpo_patches
-        (v0.5 / v0.6), so its reference log-probs are answered with zeros (KL penalty 0).
-    :ivar worker_counters: the zero-advantage filter's counters its workers returned, summed.
-    """
+    """Per driver ``Policy``. :ivar reference_skipped: grpo_patches built it without its reference
+    model (v0.5 / v0.6 at KL 0: its reference log-probs are zeros); :ivar worker_counters: the
+    zero-advantage filter's counters its workers returned, summed."""
 
     reference_skipped: bool = False
     worker_counters: dict[str, float] = field(default_factory=dict)
 
 
-def policy_state(policy: Any) -> PolicyState:
-    return instance_state.state_of(policy, FRAMEWORK, PolicyState)
+@dataclass
+class WorkerState:
+    """Per DTensor policy worker: its optimizer steps so far (verify mode's step, 0-based)."""
 
-
-def peek_policy(policy: Any) -> PolicyState | None:
-    return instance_state.peek(policy, FRAMEWORK)
+    optimizer_steps: int = 0
 
 
 @dataclass
-class LoopState:
+class SetupCall:
+    """One ``grpo.setup`` call. :ivar reference: the ``grpo_skip_reference_pass`` hook's decision
+    (``None``: not asked), read when the policy is built (:mod:`.reference`)."""
+
+    reference: Any = None
+
+
+@dataclass
+class LoopCall:
     """One synchronous ``grpo_train`` call.
 
     :ivar policy: the driver's ``Policy``; :ivar loss_fn: the loss object; :ivar config: ``master_config``.
-    :ivar on_policy: why the prev-logprob pass may be skipped (``None``: it may), decided once
-        per call from the config (:mod:`.old_logprobs`).
-    :ivar prev: this step's prev-logprob pass: ``"run"``, ``"skipped"`` (by grpo_patches),
-        ``"upstream"`` (NeMo-RL's own ``force_on_policy_ratio``), ``"late"`` (skipped, then
-        run at train time because the train call made more than one optimizer step) or
-        ``"deferred"`` (run at train time on the rows some loss reads, :mod:`.prev_rows`).
+    :ivar prev: this step's prev-logprob pass: ``"run"``, ``"skipped"`` (by grpo_patches), ``"upstream"``
+        (NeMo-RL's ``force_on_policy_ratio``), ``"late"`` (run at train time: the call made more than one
+        optimizer step) or ``"deferred"`` (run at train time on the rows some loss reads).
     :ivar placeholders: NeMo-RL filled this step's sequence-level log-prob error metrics with
         zero placeholders (they are dropped from the logs).
-    :ivar bypass: call the original ``get_logprobs`` (a late pass).
     :ivar unlogged: metric keys put back only because ``grpo_train`` reads them (a kept-rows
         value under an all-rows name): used by the loop, never logged.
     :ivar steps: the policy's training calls so far in this loop (verify mode's step, 0-based).
@@ -88,10 +123,8 @@ class LoopState:
     policy: Any
     loss_fn: Any
     config: Any
-    on_policy: str | None = None
     prev: str = "run"
     placeholders: bool = False
-    bypass: bool = False
     unlogged: set[str] = field(default_factory=set)
     steps: int = 0
 
@@ -101,27 +134,21 @@ class LoopState:
         return self.prev in ("skipped", "upstream", "deferred")
 
 
-ACTIVE_LOOP: contextvars.ContextVar[LoopState | None] = contextvars.ContextVar("grpo_patches_nemo_loop", default=None)
-
-
 @dataclass
 class GlobalBatchFilter:
     """The zero-advantage filter's plan for one local global batch (worker side).
 
-    :ivar rows_dropped, tokens_dropped: left out of the forward and backward on this rank.
-    :ivar microbatches_dropped: forward/backward passes saved on this rank.
-    :ivar padding_tokens_skipped: padding token positions of the rows that ran, cut from their
-        micro-batches on this rank (:mod:`.trim`).
+    :ivar rows_dropped, tokens_dropped, microbatches_dropped, padding_tokens_skipped: saved on this
+        rank (rows and tokens out of the forward and backward, passes, padding cut by :mod:`.trim`).
     :ivar kept_seqs, kept_toks: rows / loss tokens that ran, over every DP rank (the
         denominators of the ``/kept_rows`` metrics).
-    :ivar metrics_only: the micro-batches that only give metrics (no gradient).
+    :ivar metrics_only: the micro-batches that only give metrics (no gradient, :mod:`.dropped_rows`).
     :ivar dropped_seqs: valid samples among the dropped rows (``sample_mask`` sum).
     :ivar dropped: the dropped rows (v0.6.0+, real prev log-probs): their metrics that need no
         forward are added exactly by the first loss call of the global batch (:mod:`.metrics`).
     :ivar seen: the first loss call of the global batch happened (it carries the additions).
     :ivar counters_sent: v0.5.0: the counters rode on a micro-batch's metrics already.
     :ivar global_batches: how many global batches the train call has (v0.5.0's metric scale).
-    :ivar train_frame: v0.5.0: ``(id, code)`` of the worker ``train`` frame the plan belongs to.
     """
 
     rows_dropped: int
@@ -136,7 +163,6 @@ class GlobalBatchFilter:
     seen: bool = False
     counters_sent: bool = False
     global_batches: int = 1
-    train_frame: tuple[int, Any] | None = None
 
     def is_metrics_only(self, microbatch: Any) -> bool:
         return any(microbatch is mb for mb in self.metrics_only)
@@ -144,93 +170,92 @@ class GlobalBatchFilter:
 
 @dataclass
 class TrainCall:
-    """One ``DTensorPolicyWorkerV2.train`` call in a worker (v0.6.0+), made at its first global
-    batch (:mod:`.worker_train`).
+    """One ``train()`` call of a policy worker (v0.5.0: one global batch of it).
 
     :ivar worker: the worker; :ivar loss_fn: the loss object of the call.
-    :ivar frame_id, code: the ``train`` frame running the call (:func:`active_train`).
+    :ivar frame: ``(id, code)`` of the ``train`` frame running the call (:func:`current_train`).
     :ivar filter_on: the zero-advantage filter reshapes this call's micro-batches.
     :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
+    :ivar counters_in_loss: v0.5.0: the filter's counters ride on the loss metrics (no end-of-call hook).
     :ivar current: the filter's plan of the global batch being trained.
     :ivar rows_dropped, tokens_dropped, microbatches_dropped, padding_tokens_skipped: totals over the call.
-    :ivar unpatched: verify mode runs NeMo-RL's unpatched computation (:func:`active_train` is
-        ``None`` meanwhile: every worker wrapper passes through).
-    :ivar remake: verify mode: NeMo-RL's ``get_microbatch_iterator`` of the global batch being
-        trained, called again (:mod:`.verify`); ``rebatch``: the same, one row per micro-batch
-        (``None`` with sequence packing).
-    :ivar prev_diff: verify mode: the largest ``|current - prev|`` the loss calls saw (``None``:
-        not measured on this global batch).
-    :ivar reference_diff: verify mode: the largest difference of the loss with and without the
-        reference pass's placeholder (``None``: not measured).
-    :ivar figures: verify mode's figures of the call (the largest of each).
-    :ivar switched_off: verify mode switched these options off during the call (for the driver).
+    Verify mode (:mod:`.verify`): :ivar remake: NeMo-RL's ``get_microbatch_iterator`` of the global
+    batch, called again (``rebatch``: one row per micro-batch; ``None`` with sequence packing);
+    :ivar prev_diff, reference_diff: the largest ``|current - prev|`` the loss calls saw, the largest
+    loss difference with and without the reference placeholder (``None``: not measured);
+    :ivar figures: the call's figures (the largest of each); :ivar switched_off: options it switched off.
     """
 
     worker: Any
     loss_fn: Any
-    frame_id: int = 0
-    code: Any = None
+    frame: tuple[int, Any] | None = None
     filter_on: bool = False
     tiled_on: bool = False
+    counters_in_loss: bool = False
     current: GlobalBatchFilter | None = None
     rows_dropped: int = 0
     tokens_dropped: int = 0
     microbatches_dropped: int = 0
     padding_tokens_skipped: int = 0
-    unpatched: bool = False
     remake: Any = None
     rebatch: Any = None
     prev_diff: float | None = None
     reference_diff: float | None = None
     figures: dict[str, float] = field(default_factory=dict)
     switched_off: dict[str, str] = field(default_factory=dict)
+    exit: contextlib.ExitStack | None = field(default=None, repr=False)
 
 
 @dataclass
-class WorkerState:
-    """Per DTensor policy worker: its optimizer steps so far (verify mode's step, 0-based)."""
+class TiledMicrobatch:
+    """One training micro-batch going through the tiled loss (:mod:`.tiled`)."""
 
-    optimizer_steps: int = 0
+    data: Any
+    loss_fn: Any
+    global_valid_seqs: Any
+    global_valid_toks: Any
+    temperature: float
+    loss: Any = None
+    logps: Any = None
+
+
+SETUP: CallSlot[SetupCall] = CallSlot(f"{FRAMEWORK.name}.setup")
+LOOP: CallSlot[LoopCall] = CallSlot(f"{FRAMEWORK.name}.loop")
+TRAIN: CallSlot[TrainCall] = CallSlot(f"{FRAMEWORK.name}.train")
+MICROBATCH: CallSlot[TiledMicrobatch] = CallSlot(f"{FRAMEWORK.name}.tiled_microbatch")
+
+
+def current_train() -> TrainCall | None:
+    """The worker ``train()`` call running on this thread's stack, if any: a call that raised is
+    never read (its frame is gone), so ``get_logprobs`` and the like always see every row."""
+    train = TRAIN.current()
+    return train if train is not None and train.frame is not None and frames.running(train.frame) else None
+
+
+def begin_train(train: TrainCall) -> None:
+    """Enter ``train`` in :data:`TRAIN` until :func:`end_train` (step 1 of the module docstring);
+    an earlier call still entered never reached its end (it raised): it is left first."""
+    earlier = TRAIN.current()
+    if earlier is not None:
+        end_train(earlier)
+    train.exit = contextlib.ExitStack()
+    train.exit.enter_context(TRAIN.entered(train))
+
+
+def end_train(train: TrainCall) -> None:
+    """Leave ``train`` (entered by :func:`begin_train`)."""
+    exit_, train.exit = train.exit, None
+    if exit_ is not None:
+        exit_.close()
+
+
+def policy_state(policy: Any) -> PolicyState:
+    return FRAMEWORK.state_of(policy, PolicyState)
+
+
+def peek_policy(policy: Any) -> PolicyState | None:
+    return FRAMEWORK.peek(policy)
 
 
 def worker_state(worker: Any) -> WorkerState:
-    return instance_state.state_of(worker, FRAMEWORK, WorkerState)
-
-
-#: The last train call begun on this thread (its end unsets it; :func:`active_train` checks it still runs).
-ACTIVE_TRAIN: contextvars.ContextVar[TrainCall | None] = contextvars.ContextVar("grpo_patches_nemo_train", default=None)
-
-
-def active_train() -> TrainCall | None:
-    """The worker ``train()`` call running on this thread's stack, if any (v0.6.0+).
-
-    A call that raised leaves :data:`ACTIVE_TRAIN` set; it counts only while its own ``train``
-    frame is on the stack, so ``get_logprobs`` and the like never see it. ``None`` too while
-    verify mode runs NeMo-RL's unpatched computation (:attr:`TrainCall.unpatched`)."""
-    train = ACTIVE_TRAIN.get()
-    if train is None or train.unpatched:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if id(frame) == train.frame_id and frame.f_code is train.code:
-            return train
-        frame = frame.f_back
-    return None
-#: v0.5.0 has no per-call hook point in the worker (see :mod:`.filter_v050`): the plan of the
-#: global batch being trained, replaced at each global batch (read through :func:`current_v050`).
-CURRENT_V050: contextvars.ContextVar[GlobalBatchFilter | None] = contextvars.ContextVar(
-    "grpo_patches_nemo_v050", default=None)
-
-
-def current_v050() -> GlobalBatchFilter | None:
-    """v0.5.0's plan, only while the ``train`` frame it was made in runs on this thread's stack (a
-    plan left over from an earlier call, e.g. before a ``disable()`` / ``enable()``, is never read)."""
-    plan = CURRENT_V050.get()
-    if plan is None or plan.train_frame is None:
-        return plan
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (id(frame), frame.f_code) == plan.train_frame:
-            return plan
-        frame = frame.f_back
-    return None
+    return FRAMEWORK.state_of(worker, WorkerState)

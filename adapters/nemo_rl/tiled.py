@@ -19,36 +19,17 @@ What it does not reproduce (:mod:`.tiled_coverage`) keeps NeMo-RL's loss (``"aut
 
 from __future__ import annotations
 
-import contextvars
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 from grpo_patches.caller_frame import unwrap
-from grpo_patches.refuse_or_note import refuse_or_note
 
-from .calls import arguments
-from .settings import loss_mode
-from .state import FRAMEWORK, PREV_IS_CURRENT, active_train
+from . import FRAMEWORK
+from .calls import loss_mask
+from .loss_modes import loss_mode
+from .state import MICROBATCH, PREV_IS_CURRENT, TiledMicrobatch, current_train
 from .tiled_coverage import not_reproduced, unsupported_loss_settings, unsupported_worker_settings
-
-
-@dataclass
-class TiledMicrobatch:
-    """One training micro-batch going through the tiled loss."""
-
-    data: Any
-    loss_fn: Any
-    global_valid_seqs: Any
-    global_valid_toks: Any
-    temperature: float
-    loss: Any = None
-    logps: Any = None
-
-
-_ACTIVE: contextvars.ContextVar[TiledMicrobatch | None] = contextvars.ContextVar("grpo_patches_nemo_tiled",
-                                                                                 default=None)
 
 
 def decide(loss_fn: Any, worker: Any) -> bool:
@@ -59,8 +40,8 @@ def decide(loss_fn: Any, worker: Any) -> bool:
     problems = unsupported_loss_settings(loss_fn) + unsupported_worker_settings(
         worker, worker, getattr(worker, "sampling_params", None))
     if problems:
-        return refuse_or_note(FRAMEWORK, "tiled_loss", not_reproduced(problems))
-    api.note(FRAMEWORK, "tiled_loss", "on (ClippedPGLossFn through grpo_lm_head_loss)")
+        return FRAMEWORK.refuse_or_note("tiled_loss", not_reproduced(problems))
+    FRAMEWORK.note("tiled_loss", "on (ClippedPGLossFn through grpo_lm_head_loss)")
     return True
 
 
@@ -81,7 +62,7 @@ def _loss_options(micro: TiledMicrobatch, head: Any) -> dict[str, Any]:
         return_logps=True,
         bias=head.bias,
     )
-    tile_size = getattr(api.active_options(FRAMEWORK), "tile_size", None)
+    tile_size = FRAMEWORK.setting("tile_size")
     if tile_size is not None:
         options["tile_size"] = tile_size
     return options
@@ -91,10 +72,10 @@ def _tiled_head(head: Any) -> Callable[[Any], Any]:
     def forward(hidden: Any) -> Any:
         from grpo_patches.plugins import hook
 
-        micro = _ACTIVE.get()
+        micro = MICROBATCH.current()
         data = micro.data
         device = hidden.device
-        mask = (data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).to(device)
+        mask = loss_mask(data).to(device)
         micro.loss, values = hook().grpo_lm_head_loss(
             hidden=hidden[:, :-1], weight=head.weight, labels=data["input_ids"][:, 1:].to(device),
             advantages=data["advantages"][:, 1:].to(device), mask=mask, options=_loss_options(micro, head))
@@ -105,14 +86,15 @@ def _tiled_head(head: Any) -> Callable[[Any], Any]:
     return forward
 
 
-def forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``forward_with_post_processing_fn(model, post_processing_fn, processed_mb, ...)``."""
+def forward_with_post_processing_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``forward_with_post_processing_fn(model, post_processing_fn, processed_mb, ...)``: the micro-batch
+    as a :class:`~.state.TiledMicrobatch`, the model's real forward with ``lm_head`` swapped."""
     import torch
 
-    train = active_train()
+    train = current_train()
     if train is None or not train.tiled_on or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     post = call["post_processing_fn"]
     if not isinstance(post, sys.modules[unwrap(wrapped).__module__].LossPostProcessor):
         return wrapped(*args, **kwargs)
@@ -121,35 +103,34 @@ def forward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
                             global_valid_seqs=call["global_valid_seqs"], global_valid_toks=call["global_valid_toks"],
                             temperature=float(getattr(sampling, "temperature", 1.0) or 1.0))
     head = call["model"].lm_head
-    token = _ACTIVE.set(micro)
-    head.forward = _tiled_head(head)  # this forward only: an instance attribute over the class's method
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        del head.forward
-        _ACTIVE.reset(token)
+    with MICROBATCH.entered(micro):
+        head.forward = _tiled_head(head)  # this forward only: an instance attribute over the class's method
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            del head.forward
 
 
-def temperature_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def apply_temperature_scaling(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``apply_temperature_scaling(logits, sampling_params)``: the tiled loss applied it already."""
-    micro = _ACTIVE.get()
+    micro = MICROBATCH.current()
     if micro is not None and micro.loss is not None:
-        return arguments(wrapped, args, kwargs)["logits"]
+        return bind(wrapped, args, kwargs)["logits"]
     return wrapped(*args, **kwargs)
 
 
-def loss_post_processor_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def call(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``LossPostProcessor.__call__(logits, data_dict, ...)``: the tiled loss, NeMo-RL's metrics."""
-    micro = _ACTIVE.get()
+    micro = MICROBATCH.current()
     if micro is None or micro.loss is None:
         return wrapped(*args, **kwargs)
     import torch
 
-    call = arguments(wrapped, args, kwargs)
+    arguments = bind(wrapped, args, kwargs)
     with torch.no_grad():
-        _, metrics = instance.loss_fn(next_token_logprobs=micro.logps.detach().float(), data=call["data_dict"],
-                                      global_valid_seqs=call["global_valid_seqs"],
-                                      global_valid_toks=call["global_valid_toks"])
-    loss = call["logits"][0, 0, 0]  # the tiled loss, through the model's output
+        _, metrics = instance.loss_fn(next_token_logprobs=micro.logps.detach().float(), data=arguments["data_dict"],
+                                      global_valid_seqs=arguments["global_valid_seqs"],
+                                      global_valid_toks=arguments["global_valid_toks"])
+    loss = arguments["logits"][0, 0, 0]  # the tiled loss, through the model's output
     micro.loss = None
     return loss, metrics

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .settings import DENOMINATORS, loss_mode
+from .loss_modes import DENOMINATORS, loss_mode
 
 #: Model config attributes of logit transforms the tiled loss does not apply.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",

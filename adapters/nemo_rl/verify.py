@@ -12,10 +12,12 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
    takes the gradient NeMo-RL's backward left in ``.grad`` (with FSDP2 that is the only place a
    sharded parameter's gradient exists; ``.grad`` is then put back as it was);
 2. runs NeMo-RL's unpatched computation from the same random state: its own micro-batches of
-   the global batch (``get_microbatch_iterator`` called again, :func:`microbatch_iterator_wrapper`),
-   every worker wrapper passing through (:attr:`~.state.TrainCall.unpatched`) and, on a call
-   whose prev-logprob pass the driver skipped and ran for verification, the loss off its
-   on-policy path, reading that pass;
+   the global batch (``get_microbatch_iterator`` called again, :func:`get_microbatch_iterator`),
+   inside ``FRAMEWORK.unpatched()`` (every record but verify mode's own passes through) and, on a
+   call whose prev-logprob pass the driver skipped and ran for verification, the loss off its
+   on-policy path, reading that pass (a row whose pass was skipped and not run for verification
+   would be read as NaN there: :class:`~grpo_patches.errors.PlaceholderError` first,
+   :func:`.placeholders.check_unpatched`);
 3. compares, in this order, on every rank alike (each check one all-reduce):
    a skipped prev-logprob pass: the log-probs the patched loss used (the detached current ones)
    against the pass, over the loss tokens (:func:`.verify_in_loss.measure_prev`), ``grpo_patches/verify/old_logprob_max_abs_diff``;
@@ -51,47 +53,52 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from grpo_patches import verify, verify_log
-
+from grpo_patches.call_args import CallArgs, bind
 from grpo_patches.errors import ExactnessError
 
-from .calls import arguments
-
-from .state import COUNTERS, FRAMEWORK, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, active_train, worker_state
+from . import FRAMEWORK
+from .placeholders import check_unpatched
+from .state import COUNTERS, PREV_IS_CURRENT, VERIFY_PREV, VERIFY_REFERENCE, TrainCall, current_train, worker_state
 from .verify_results import fit_results
 
 SKIP, FILTER, TILED = "logprob_skip", "zero_advantage_filter", "tiled_loss"
-#: ``<prefix><option>`` = 1 in the metrics of a call in which verification switched ``option`` off.
-SWITCHED_OFF = verify.METRIC_PREFIX + "switched_off/"
 
 
-def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def get_microbatch_iterator(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``get_microbatch_iterator(...)`` of the worker module (outermost record): in a train call,
     keep how to call it again, for the unpatched computation of a verify step."""
-    train = active_train()
+    train = current_train()
     if train is not None:
-        train.remake = lambda: wrapped(*args, **kwargs)
-        call = arguments(wrapped, args, kwargs)
+        call = bind(wrapped, args, kwargs)
+        train.remake = lambda: _remade(wrapped, call)
         packed = call["cfg"].get("sequence_packing", {}).get("enabled", False)
-        train.rebatch = None if packed else (lambda: wrapped(**_one_row_each(call)))
+        train.rebatch = None if packed else (lambda: _remade(wrapped, call, **_one_row_each(call)))
     return wrapped(*args, **kwargs)
 
 
-def _one_row_each(call: dict[str, Any]) -> dict[str, Any]:
-    """``get_microbatch_iterator``'s arguments for the same global batch, one row per
+def _remade(wrapped: Callable[..., Any], call: CallArgs, **changes: Any) -> Any:
+    """NeMo-RL's own micro-batches of the global batch (the filter's record, inside, passes through
+    in ``FRAMEWORK.unpatched()``), once no skipped row could be read as NaN."""
+    check_unpatched(call["data"])
+    return call.call(wrapped, **changes)
+
+
+def _one_row_each(call: CallArgs) -> dict[str, Any]:
+    """``get_microbatch_iterator``'s arguments changed for the same global batch, one row per
     micro-batch (static): NeMo-RL's loss normalises by the global batch's valid tokens and
     sequences, so only the rounding changes (the noise floor's repeat)."""
     cfg = dict(call["cfg"])
     cfg["dynamic_batching"] = {**cfg.get("dynamic_batching", {}), "enabled": False}
-    return {**call, "cfg": cfg, "mbs": 1}
+    return {"cfg": cfg, "mbs": 1}
 
 
-def forward_backward_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def automodel_forward_backward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``automodel_forward_backward(model, data_iterator, post_processing_fn, forward_only, ...)``
     of the worker module: one global batch of a train call."""
-    train = active_train()
+    train = current_train()
     if train is None:
         return wrapped(*args, **kwargs)
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     if call.get("forward_only") or getattr(call["post_processing_fn"], "loss_fn", None) is not train.loss_fn:
         return wrapped(*args, **kwargs)
     own = worker_state(train.worker)
@@ -100,26 +107,26 @@ def forward_backward_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
     prev = isinstance(getattr(train.loss_fn, VERIFY_PREV, None), dict)
     reference = bool(getattr(train.loss_fn, VERIFY_REFERENCE, False))
     names = [name for name, on in ((FILTER, train.filter_on), (TILED, train.tiled_on)) if on]
-    if not (prev or reference or (names and verify.due(FRAMEWORK, step))) or train.remake is None:
+    if not (prev or reference or (names and FRAMEWORK.verify_due(step))) or train.remake is None:
         return wrapped(*args, **kwargs)
     return GlobalBatchCheck(wrapped, call, train, step, names, prev, reference).run()
 
 
 @contextmanager
-def unpatched(train: TrainCall) -> Iterator[None]:
-    """NeMo-RL's own computation: every worker wrapper passes through and the loss object is as
-    the user configured it (off the on-policy path the driver put it on for a skipped pass)."""
+def unpatched_computation(train: TrainCall) -> Iterator[None]:
+    """NeMo-RL's own computation: every record but verify mode's passes through
+    (``FRAMEWORK.unpatched()``) and the loss object is as the user configured it (off the
+    on-policy path the driver put it on for a skipped pass)."""
     loss_fn = train.loss_fn
     original = getattr(loss_fn, VERIFY_PREV, None)
     saved = {name: loss_fn.__dict__.get(name, _ABSENT) for name in ("force_on_policy_ratio", PREV_IS_CURRENT)}
     if isinstance(original, dict):
         _set(loss_fn, "force_on_policy_ratio", original.get("force_on_policy_ratio", _ABSENT))
         _set(loss_fn, PREV_IS_CURRENT, _ABSENT)
-    train.unpatched = True
     try:
-        yield
+        with FRAMEWORK.unpatched():
+            yield
     finally:
-        train.unpatched = False
         for name, value in saved.items():
             _set(loss_fn, name, value)
 
@@ -144,7 +151,7 @@ def _take_grads(params: list) -> list:
 class GlobalBatchCheck:
     """One verified global batch (module docstring)."""
 
-    def __init__(self, wrapped: Callable[..., Any], call: dict[str, Any], train: TrainCall, step: int,
+    def __init__(self, wrapped: Callable[..., Any], call: CallArgs, train: TrainCall, step: int,
                  names: list[str], prev: bool, reference: bool = False) -> None:
         self.wrapped, self.call, self.train, self.step, self.names, self.prev = wrapped, call, train, step, names, prev
         self.reference = reference
@@ -157,7 +164,7 @@ class GlobalBatchCheck:
         self.train.prev_diff = 0.0 if self.prev else None
         self.train.reference_diff = 0.0 if self.reference else None
         try:
-            results = self.wrapped(**self.call)
+            results = self.call.call(self.wrapped)
         finally:
             self.prev_measured, self.train.prev_diff = self.train.prev_diff, None
             self.reference_measured, self.train.reference_diff = self.train.reference_diff, None
@@ -165,14 +172,14 @@ class GlobalBatchCheck:
 
     def unpatched(self, start: Any, remake: Callable[[], Any] | None = None) -> tuple[Any, list, Any]:
         verify.set_rng_state(start)
-        with unpatched(self.train):
+        with unpatched_computation(self.train):
             iterator, length = (remake or self.train.remake)()
-            call = {**self.call, "data_iterator": iterator}
-            if "num_valid_microbatches" in call:
-                call["num_valid_microbatches"] = length
+            changes = {"data_iterator": iterator}
+            if "num_valid_microbatches" in self.call:
+                changes["num_valid_microbatches"] = length
             if remake is None:
                 self.plain_valid = length
-            results = self.wrapped(**call)
+            results = self.call.call(self.wrapped, **changes)
         return results, _take_grads(self.params), verify.rng_state()
 
     def run(self) -> Any:
@@ -181,7 +188,7 @@ class GlobalBatchCheck:
         patched = self.patched()
         plain = self.unpatched(start)
         floor = None
-        if self.names and self.train.rebatch is not None and verify.needs_noise_floor(FRAMEWORK, self.dtype):
+        if self.names and self.train.rebatch is not None and verify.needs_noise_floor(FRAMEWORK.name, self.dtype):
             floor = verify.noise_floor(self.unpatched(start, self.train.rebatch)[1], plain[1], self.group)
             self.train.figures[verify.NOISE_METRIC] = max(self.train.figures.get(verify.NOISE_METRIC, floor), floor)
         failed = self.compare(patched[1], plain[1], floor)
@@ -198,25 +205,25 @@ class GlobalBatchCheck:
         """The checks, in the same order on every rank; the options a ``"disable"`` verdict switched off."""
         failed: list[str] = []
         if self.prev:
-            verdict = verify.check(FRAMEWORK, [SKIP], self.step, "old_logprob_max_abs_diff", self.prev_measured,
-                                   verify.tolerance(FRAMEWORK, self.dtype), group=self.group,
+            verdict = verify.check(FRAMEWORK.name, [SKIP], self.step, "old_logprob_max_abs_diff", self.prev_measured,
+                                   verify.tolerance(FRAMEWORK.name, self.dtype), group=self.group,
                                    detail="the detached current log-probs the loss used against the skipped "
                                           "prev-logprob pass")
             self.record(verdict, [SKIP], failed)
         if self.reference:  # judged here: with no reference model built there is no unpatched result to use
-            quantity, limit = "reference_loss_max_abs_diff", verify.tolerance(FRAMEWORK, self.dtype)
+            quantity, limit = "reference_loss_max_abs_diff", verify.tolerance(FRAMEWORK.name, self.dtype)
             measured = verify.agree({quantity: self.reference_measured}, self.group)[quantity]
             failure = None if measured <= limit else f"step {self.step}: {SKIP}: {quantity} = {measured:.3e} > {limit:.3e}"
-            verify_log.record(FRAMEWORK, self.step, quantity, measured, failure)
+            verify_log.record(FRAMEWORK.name, self.step, quantity, measured, failure)
             if failure is not None:  # "raise" and "disable" alike
-                raise ExactnessError(FRAMEWORK, (SKIP,), self.step, quantity, measured, limit,
+                raise ExactnessError(FRAMEWORK.name, (SKIP,), self.step, quantity, measured, limit,
                                      "the loss reads the skipped reference pass's zero placeholder; it cannot be "
                                      "switched off mid-run (no reference model was built): restart with "
                                      "logprob_skip=False")
             self.record(verify.Verdict(True, measured, limit, {verify.METRIC_PREFIX + quantity: measured}), [SKIP],
                         failed)
         if self.names and not failed:
-            verdict = verify.judge_gradients(FRAMEWORK, self.names, self.step, patched_grads, plain_grads,
+            verdict = verify.judge_gradients(FRAMEWORK.name, self.names, self.step, patched_grads, plain_grads,
                                              dtype=self.dtype, noise_floor=floor, group=self.group,
                                              detail="the optimizer step's gradient against NeMo-RL's unpatched one")
             self.record(verdict, self.names, failed)
@@ -241,15 +248,3 @@ class GlobalBatchCheck:
             for name in COUNTERS:
                 setattr(self.train, name, getattr(self.train, name) - getattr(current, name))
             self.train.current = None
-
-
-def report(train: TrainCall, result: Any) -> None:
-    """Verify mode's figures of a train call into the metrics it returns (one-element lists: the
-    driver keeps the largest over the workers), and the options it switched off."""
-    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
-    if metrics is None:
-        return
-    for key, value in train.figures.items():
-        metrics[key] = [float(value)]
-    for name in train.switched_off:  # this worker's status() says so already (grpo_patches.verify.check)
-        metrics[SWITCHED_OFF + name] = [1.0]

@@ -1,13 +1,16 @@
 """Verify mode on the driver: the skipped prev-logprob pass, and the workers' verdicts (v0.6.0+).
 
-Called by ``Policy.train``'s wrapper (:mod:`.train_call`) for the training calls of the policy
+:func:`setup` (``grpo.setup``): verify mode does not cover NeMo-RL's Megatron policy worker, so a
+Megatron policy gets an error before training (a note under ``enable("all")``).
+
+The rest is called by ``Policy.train``'s wrapper (:mod:`.policy_train`) for the training calls of the policy
 ``grpo_train`` drives; the step is the loop's training call (0-based, from the start of the
 ``grpo_train`` call: one optimizer step per call whenever the pass is skipped, so it is the
 workers' optimizer step too).
 
 * :func:`run_skipped_pass`: on a verify step whose prev-logprob pass was skipped, the pass runs
-  after all (NeMo-RL's ``Policy.get_logprobs``, on the weights that generated the batch, as the
-  skipped pass would have) and goes into ``data["prev_logprobs"]`` for that call only; the loss
+  after all (NeMo-RL's ``Policy.get_logprobs``, unpatched, on the weights that generated the batch,
+  as the skipped pass would have) and goes into ``data["prev_logprobs"]`` for that call only; the loss
   object carries :data:`~.state.VERIFY_PREV` (the loss's own ``force_on_policy_ratio``, for the
   workers' unpatched computation). The patched loss does not read it (it is on the on-policy
   path); the workers compare it with the log-probs the loss used and run NeMo-RL's unpatched
@@ -33,30 +36,38 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from grpo_patches import api, verify, verify_log
+from grpo_patches import verify, verify_log
+from grpo_patches.call_args import bind
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning
 
-from . import version
-from .state import FRAMEWORK, VERIFY_PREV, VERIFY_REFERENCE, LoopState, peek_policy
-from .verify import SWITCHED_OFF
+from . import FRAMEWORK, PACKAGE, version
+from .calls import setting
+from .state import VERIFY_PREV, VERIFY_REFERENCE, peek_policy
+from .verify_results import SWITCHED_OFF
+
+
+def setup(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)`` with ``verify_every``: a Megatron policy is refused (module docstring)."""
+    config = bind(wrapped, args, kwargs)["master_config"]
+    if setting(config, "policy.megatron_cfg.enabled", False):
+        FRAMEWORK.refuse_or_note("verify_every", "verify mode does not cover NeMo-RL's Megatron policy worker yet: "
+                                 "no check would run on its updates; use the DTensor worker")
+    return wrapped(*args, **kwargs)
 
 
 def due(step: int) -> bool:
     """Whether training call ``step`` of the loop is verified (v0.6.0+: v0.5.0 has no verify mode)."""
-    return version.at_least("0.6.0") and verify.due(FRAMEWORK, step)
+    return version.at_least(PACKAGE, "0.6.0") and FRAMEWORK.verify_due(step)
 
 
-def run_skipped_pass(loop: LoopState, policy: Any, data: Any, loss_fn: Any, force: Any) -> Callable[[], None]:
+def run_skipped_pass(policy: Any, data: Any, loss_fn: Any, force: Any) -> Callable[[], None]:
     """Run the skipped prev-logprob pass for the workers to compare (module docstring).
 
     :param force: the loss's own ``force_on_policy_ratio`` (``None``: it had none).
     :returns: what puts the batch and the loss back after the call."""
     zeros = data["prev_logprobs"]
-    loop.bypass = True
-    try:
+    with FRAMEWORK.unpatched():  # NeMo-RL's own pass (Policy.get_logprobs's record would skip it again)
         real = policy.get_logprobs(data)["logprobs"]
-    finally:
-        loop.bypass = False
     data["prev_logprobs"] = real.to(zeros.dtype) if hasattr(real, "to") else real
     setattr(loss_fn, VERIFY_PREV, {"force_on_policy_ratio": force})
 
@@ -90,14 +101,14 @@ def collect(metrics: dict[str, list], step: int) -> None:
             values = [float(v) for v in metrics[key]]
             figures[key] = max(values) if values else 0.0
             metrics[key] = [figures[key]]
-            verify_log.record(FRAMEWORK, step, key[len(verify.METRIC_PREFIX):], figures[key], None)
+            verify_log.record(FRAMEWORK.name, step, key[len(verify.METRIC_PREFIX):], figures[key], None)
     if not switched:
         return
     shown = ", ".join(f"{k[len(verify.METRIC_PREFIX):]} = {v:.3e}" for k, v in figures.items())
     reason = f"switched off by verification in the policy workers at step {step} ({shown})"
     for option in switched:
-        api.switch_off(FRAMEWORK, option, reason)
-    warnings.warn(f"grpo_patches verify: {FRAMEWORK}: {', '.join(switched)} {reason}; that step used the unpatched "
+        FRAMEWORK.switch_off(option, reason)
+    warnings.warn(f"grpo_patches verify: {FRAMEWORK.name}: {', '.join(switched)} {reason}; that step used the unpatched "
                   "result and the run goes on without them", GrpoPatchesWarning, stacklevel=3)
 
 

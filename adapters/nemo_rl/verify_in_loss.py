@@ -3,22 +3,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from grpo_patches import verify
 
-from .skipped_rows import first_rows
-from .state import active_train
+from .calls import loss_mask
+from .placeholders import first_rows
+from .state import current_train
 
 
-def measure_prev(call: dict[str, Any]) -> None:
+def measure_prev(call: Mapping[str, Any]) -> None:
     """In a loss call of a verified global batch whose prev-logprob pass was skipped: the largest
     ``|current - prev|`` over its loss tokens (``prev_logprobs`` holds the real pass then)."""
-    train = active_train()
+    train = current_train()
     if train is None or train.prev_diff is None:
         return
     data, current = call["data"], call["next_token_logprobs"]
-    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    mask = loss_mask(data)
     first = first_rows(data)  # a deferred pass: only the first optimizer step's rows used current log-probs
     if first is not None:
         mask = mask * first.to(mask.device, mask.dtype).unsqueeze(-1)
@@ -28,12 +29,12 @@ def measure_prev(call: dict[str, Any]) -> None:
     train.prev_diff = max(train.prev_diff, measured)
 
 
-def measure_reference(loss: Callable[..., Any], call: dict[str, Any]) -> None:
+def measure_reference(loss: Callable[..., Any], call: Mapping[str, Any]) -> None:
     """In a loss call of a verified global batch whose reference pass was skipped (its
     log-probs are a zero placeholder): the loss with the placeholder against the loss with
     other values in its place (the detached current log-probs), without autograd. A loss that
     does not read them (KL penalty 0) gives exactly the same value."""
-    train = active_train()
+    train = current_train()
     if train is None or train.reference_diff is None or "reference_policy_logprobs" not in call["data"]:
         return
     import torch

@@ -1,7 +1,18 @@
-"""NeMo-RL's per-micro-batch results of an unpatched computation, fitted to what its ``train``
-counts (:mod:`.verify`: a verified global batch whose patched computation was not kept)."""
+"""What verify mode (:mod:`.verify`) hands back to NeMo-RL's worker ``train``: the per-micro-batch
+results of an unpatched computation, fitted to what ``train`` counts (a verified global batch whose
+patched computation was not kept, :func:`fit_results`), and the call's figures and switch-offs in
+the metrics ``train`` returns (:func:`report_figures`, read by the driver: :mod:`.verify_driver`)."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from grpo_patches import verify
+
+from .state import TrainCall
+
+#: ``<prefix><option>`` = 1 in the metrics of a call in which verification switched ``option`` off.
+SWITCHED_OFF = verify.METRIC_PREFIX + "switched_off/"
 
 
 def fit_results(results: list, valid: int, slots: int | None) -> list:
@@ -34,3 +45,15 @@ def _merged(metrics: list[dict]) -> dict:
             else:
                 out[key] = out[key] + value
     return out
+
+
+def report_figures(train: TrainCall, result: Any) -> None:
+    """Verify mode's figures of a train call into the metrics it returns (one-element lists: the
+    driver keeps the largest over the workers), and the options it switched off."""
+    metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
+    if metrics is None:
+        return
+    for key, value in train.figures.items():
+        metrics[key] = [float(value)]
+    for name in train.switched_off:  # this worker's status() says so already (grpo_patches.verify.check)
+        metrics[SWITCHED_OFF + name] = [1.0]

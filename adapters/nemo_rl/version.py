@@ -7,7 +7,8 @@ although main has every v0.7.0 feature and more. The version is therefore the nu
 ``package_info.py``, raised to the first version that has the newest code marker present
 (:data:`MARKERS`): main is reported as ``0.8.0.dev0`` (a development version after 0.7).
 Tag v0.5.0 says ``0.5.0rc0`` and is reported as such. :func:`origin` says how the number was
-found; ``grpo_patches.status()`` shows it.
+found; ``grpo_patches.status()`` shows it. Each function takes the framework's import package
+(``PACKAGE`` in the adapter's ``__init__``, which binds it for ``ADAPTER``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ MARKERS: tuple[tuple[str, str, str], ...] = (
 _FIELD = re.compile(r'^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*["\']?([^"\'\s#]*)["\']?', re.MULTILINE)
 
 
-def package_dir() -> Path | None:
-    """The ``nemo_rl`` package directory that ``import nemo_rl`` would use (not imported)."""
-    spec = importlib.util.find_spec("nemo_rl")
+def package_dir(package: str) -> Path | None:
+    """The directory that ``import <package>`` would use (not imported)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0])
@@ -61,23 +62,23 @@ def _detect(package: Path) -> tuple[str | None, str]:
         except OSError:
             found = False
         if found and Version(floor) > Version(declared):
-            return floor, f"{origin}; raised to {floor}: nemo_rl/{path} has {text!r} (main after v0.7.0)"
+            return floor, f"{origin}; raised to {floor}: {package.name}/{path} has {text!r} (main after v0.7.0)"
     return declared, origin
 
 
-def read_version() -> str | None:
-    """The importable NeMo-RL's version (``None`` when it is not importable)."""
-    package = package_dir()
-    return None if package is None else _detect(package)[0]
+def read_version(package: str) -> str | None:
+    """The importable framework's version (``None`` when it is not importable)."""
+    found = package_dir(package)
+    return None if found is None else _detect(found)[0]
 
 
-def origin() -> str | None:
+def origin(package: str) -> str | None:
     """How :func:`read_version` found the number (for ``status()``)."""
-    package = package_dir()
-    return None if package is None else _detect(package)[1]
+    found = package_dir(package)
+    return None if found is None else _detect(found)[1]
 
 
-def at_least(version: str) -> bool:
-    """Whether the importable NeMo-RL is ``version`` or newer (pre-releases of it count)."""
-    found = read_version()
+def at_least(package: str, version: str) -> bool:
+    """Whether the importable framework is ``version`` or newer (pre-releases of it count)."""
+    found = read_version(package)
     return found is not None and Version(found) >= Version(version)

@@ -10,19 +10,10 @@ the epoch length on transformers versions without it (an epoch's last window is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import state
-
-
-@dataclass
-class Window:
-    """Micro-steps finished in the current accumulation window of one ``train()`` call."""
-
-    state: Any  # the TrainerState the count belongs to (a new train()/resume makes a new one)
-    global_step: int  # optimizer steps done when the window began
-    done: int
+from .state import Window
 
 
 def window_index(trainer: Any) -> int:
@@ -33,8 +24,8 @@ def window_index(trainer: Any) -> int:
     return window.done
 
 
-def track_window(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``training_step`` wrapper: count the micro-steps of the current accumulation window."""
+def training_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``GRPOTrainer.training_step``: count the micro-steps of the current window."""
     index = window_index(instance)
     window = Window(instance.state, instance.state.global_step, index)
     state.of(instance).window = window

@@ -1,7 +1,7 @@
 """TRL's log-prob method run by the adapter itself, as TRL runs its old-logprob pass.
 
 Two callers: the pass deferred to the rows the zero-advantage filter keeps
-(:mod:`.deferred_pass`) and, in verify mode, the pass over every row that the patches skipped
+(:mod:`.old_logprob_rows`) and, in verify mode, the pass over every row that the patches skipped
 or deferred (:mod:`.verify_rollout`). Both use TRL's own method and the arguments of TRL's own
 call, without gradients and without gradient checkpointing, like TRL's pass.
 """

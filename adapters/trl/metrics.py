@@ -38,9 +38,7 @@ import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-from grpo_patches import api, savings
-
-from . import state
+from . import FRAMEWORK, state
 
 PREFIX = "grpo_patches/"
 #: Metrics the dropped rows provably do not change (module docstring).
@@ -78,15 +76,22 @@ def add_count(trainer: Any, name: str, value: float = 1, mode: str | None = None
     running total stays on the trainer (:func:`count_total`) and in ``grpo_patches.status()``.
     ``log=False`` keeps the total only. Returns the new total.
     """
+    return _add_counts(trainer, {name: value}, mode, log)[name]
+
+
+def _add_counts(trainer: Any, counts: Mapping[str, float], mode: str | None = None,
+                log: bool = True) -> dict[str, float]:
+    """:func:`add_count` for several counters at once; their new totals."""
     mode = mode or mode_of(trainer)
     totals = state.of(trainer).totals
-    key = (mode, name)
-    totals[key] = totals.get(key, 0) + value
     lists = bucket(trainer, mode) if log else None
-    if lists is not None:
-        step = lists.get(PREFIX + name) or [0.0]
-        lists[PREFIX + name] = [float(step[-1] + value)]
-    return totals[key]
+    for name, value in counts.items():
+        key = (mode, name)
+        totals[key] = totals.get(key, 0) + value
+        if lists is not None:
+            step = lists.get(PREFIX + name) or [0.0]
+            lists[PREFIX + name] = [float(step[-1] + value)]
+    return {name: totals[(mode, name)] for name in counts}
 
 
 def count_total(trainer: Any, name: str, mode: str = "train") -> float:
@@ -102,9 +107,8 @@ def report(trainer: Any, **counts: float) -> None:
     """
     nonzero = {name: value for name, value in counts.items() if value}
     if nonzero:
-        savings.report("trl", **nonzero)
-    for name, value in counts.items():
-        add_count(trainer, name, value)
+        FRAMEWORK.report_savings(**nonzero)
+    _add_counts(trainer, counts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -178,8 +182,8 @@ def relabel(trainer: Any, bucket: dict[str, list], before: Mapping[str, int],
             if not math.isnan(value):  # NaN: no kept row on any process in this call, nothing to log
                 bucket.setdefault(name + SUFFIX, []).append(value)
         else:
-            api.note("trl", f"metric {name}", "not logged: it needs the dropped rows' forward; "
-                     "grpo_patches.enable('trl', dropped_rows_metrics=True) logs it", owner=trainer)
+            FRAMEWORK.note(f"metric {name}", "not logged: it needs the dropped rows' forward; "
+                           "grpo_patches.enable('trl', dropped_rows_metrics=True) logs it", owner=trainer)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """The old-logprob pass of TRL's ``GRPOTrainer`` (TRL 0.20 - 1.16): computed exactly for the
 rollouts that need it.
 
-The one record on ``_generate_and_score_completions`` (:func:`generation_wrapper`) runs, per
-training rollout, the recompute decision below (option ``recompute``), the pass deferred to
-the rows the zero-advantage filter keeps (:mod:`.deferred_pass`: its placeholder and the pass
-on the kept rows) and the reference-pass observer (option ``logprob_skip``, :mod:`.reference`),
-so that the observer checks the output of the decided call and the options in force at call
-time are read once. Evaluation calls pass straight through: they never use old log-probs.
+The record on ``_generate_and_score_completions`` (:func:`generate_and_score_completions`)
+runs, per training rollout, the recompute decision below (option ``recompute``), the pass
+deferred to the rows the zero-advantage filter keeps (:mod:`.old_logprob_rows`: its placeholder
+and the pass on the kept rows) and the reference-pass observer (option ``logprob_skip``,
+:mod:`.reference`), so that the observer checks the output of the decided call. Evaluation
+calls pass straight through: they never use old log-probs. What it hands the other records
+of the rollout goes through the :class:`~.state.RolloutCall` (:mod:`.state`).
 
 TRL decides once for the whole run: ``_generate_and_score_completions`` computes old
 log-probs iff ``args.gradient_accumulation_steps % (steps_per_generation * num_iterations)
@@ -24,13 +25,11 @@ The patch decides per rollout with the ``grpo_recompute_old_logps`` hook, fed wi
 
 It applies the answer without copying TRL's method: for the duration of the call
 ``self.args`` is a view whose ``gradient_accumulation_steps`` makes TRL's own modulo test
-give the hook's answer (TRL reads that field nowhere else in the method or below it).
-The result is checked (``old_per_token_logps`` present iff decided), so a moved condition is
-an error, never a silent stale rollout.
-
-In verify mode, a rollout whose pass the decision skipped and that a verify step consumes gets
-the pass anyway, TRL's own call made to run and its values taken out of the rollout again
-(:mod:`.verify_rollout`): each micro-step compares them with what the loss used.
+give the hook's answer (TRL reads that field nowhere else in the method or below it) — or run
+TRL's pass where verify mode observes the rollout and TRL's own rule runs it
+(:attr:`~.state.RolloutCall.observed_pass`: :mod:`.verify_rollout` takes the values out again).
+The result is checked (``old_per_token_logps`` present iff TRL's pass was made to run), so a
+moved condition is an error, never a silent stale rollout.
 """
 
 from __future__ import annotations
@@ -41,14 +40,14 @@ from typing import Any, Callable
 
 import wrapt
 
-from grpo_patches import api
 from grpo_patches.errors import GrpoPatchesWarning, UnsupportedFrameworkError
 from grpo_patches.plugins import hook
 from grpo_patches.recompute import cap_consumptions, explain, window_steps_left
 
-from . import deferred_pass, metrics, overrides, state, verify_rollout
+from . import FRAMEWORK, metrics, old_logprob_rows, overrides, state
 from .accumulation_window import steps_in_epoch, window_index, window_length
-from .loss_types import importance_sampling_on
+from .loss_modes import importance_sampling_on
+from .placeholders import KEY
 from .reference import observe_reference_pass
 from .schedule import hf_micro_steps_left
 
@@ -92,7 +91,7 @@ def decide(trainer: Any) -> RecomputeDecision:
     left_in_training = hf_micro_steps_left(state.global_step, state.max_steps, left_in_window, ga, steps_in_epoch(trainer))
     consumptions = cap_consumptions(per_rollout, max(left_in_training, 1))
     answer = hook().grpo_recompute_old_logps(
-        framework="trl",
+        framework=FRAMEWORK.name,
         consumptions_left=consumptions,
         window_steps_left=left_in_window,
         needed_elsewhere=sampling,
@@ -122,18 +121,14 @@ def decide_for_trainer(trainer: Any) -> bool:
         why = overrides.why_off(trainer, "recompute")
         own.recompute_on = why is None
         if why is not None:
-            api.note("trl", "old_logprob_pass", f"TRL's own rule (recompute off for this class): {why}",
-                     owner=trainer)
+            FRAMEWORK.note("old_logprob_pass", f"TRL's own rule (recompute off for this class): {why}", owner=trainer)
     return own.recompute_on
 
 
-def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``_generate_and_score_completions`` (training mode) computing old log-probs iff
-    this rollout needs them. Called by :func:`generation_wrapper`."""
-    decision = decide(instance)
-    every = generate_every(instance)
-    compute = decision.compute
-    if compute and every == 1 and not decision.importance_sampling:
+def rollout_decision(trainer: Any) -> RecomputeDecision:
+    """:func:`decide`, narrowed to what TRL can be made to do."""
+    decision = decide(trainer)
+    if decision.compute and generate_every(trainer) == 1 and not decision.importance_sampling:
         # TRL's modulo test cannot be made true; a rollout consumed by one micro-step is on-policy
         warnings.warn(
             "grpo_patches: the grpo_recompute_old_logps hook asked for old log-probs with "
@@ -142,31 +137,30 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
             GrpoPatchesWarning,
             stacklevel=2,
         )
-        compute = False
         decision = replace(decision, compute=False)
-    force = verify_rollout.force_pass(instance, decision.upstream, compute)  # for verification only
+    return decision
+
+
+def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict, rollout: state.RolloutCall) -> Any:
+    """Run ``_generate_and_score_completions`` with TRL's modulo rule made to give the rollout's
+    decision (or to run TRL's pass for verify mode's observer), check that it did, count it."""
+    decision, every = rollout.decision, generate_every(instance)
+    runs = decision.compute or rollout.observed_pass
     original_args = instance.__dict__["args"]
-    instance.args = _ArgsView(original_args, every + 1 if compute or force else every)
+    instance.args = _ArgsView(original_args, every + 1 if runs else every)
     try:
-        with verify_rollout.capturing(instance, force) as capture:
-            output = wrapped(*args, **kwargs)
+        output = wrapped(*args, **kwargs)
     finally:
         instance.args = original_args
-    if force:
-        if capture.output is None or "old_per_token_logps" not in output:
-            raise UnsupportedFrameworkError(
-                "grpo_patches verify: GRPOTrainer._generate_and_score_completions did not run its old-logprob "
-                "pass when its modulo rule said so, so the skipped pass cannot be verified; pass verify_every=None"
-            )
-        output.pop("old_per_token_logps")  # compared with what the loss uses, never used
-        verify_rollout.store(instance, output, capture.output[0], skipped=True, floor=capture.noise_floor)
-    if ("old_per_token_logps" in output) != compute:
+    if (KEY in output) != runs:
         raise UnsupportedFrameworkError(
             "grpo_patches: GRPOTrainer._generate_and_score_completions no longer follows the "
-            f"gradient_accumulation_steps modulo rule (old log-probs {'missing' if compute else 'present'} "
-            f"after deciding compute={compute}); disable this patch with grpo_patches.enable('trl', recompute=False)"
+            f"gradient_accumulation_steps modulo rule (old log-probs {'missing' if runs else 'present'} where "
+            f"the rule was made {'true' if runs else 'false'}); disable this patch with "
+            "grpo_patches.enable('trl', recompute=False)"
         )
     state.of(instance).last_decision = decision
+    compute = decision.compute
     metrics.report(
         instance,
         old_logprob_passes_skipped=int(decision.upstream and not compute),
@@ -175,8 +169,7 @@ def exact_recompute(wrapped: Callable, instance: Any, args: tuple, kwargs: dict)
     computed = metrics.add_count(instance, "old_logprob_passes", int(compute))
     rollouts = metrics.add_count(instance, "rollouts", 1)
     reason = explain(compute, decision.consumptions_left, decision.window_steps_left, decision.importance_sampling)
-    api.note(
-        "trl",
+    FRAMEWORK.note(
         "old_logprob_pass",
         f"computed for {int(computed)} of {int(rollouts)} rollouts "
         f"(TRL's modulo rule: {'every' if decision.upstream else 'none'}); last rollout: {reason}",
@@ -190,19 +183,20 @@ def last_decision(trainer: Any) -> RecomputeDecision | None:
     return state.of(trainer).last_decision
 
 
-def generation_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``_generate_and_score_completions``: the exact recompute and the
-    deferred pass, then the reference-pass report, for each training rollout."""
-    options = api.active_options("trl")
-    if options is None or not instance.model.training:
+def generate_and_score_completions(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``GRPOTrainer._generate_and_score_completions``, per training rollout: the
+    recompute decision, the deferral of the pass it runs, TRL's method, the deferred pass on the
+    kept rows, then the reference-pass report."""
+    if not instance.model.training:
         return wrapped(*args, **kwargs)
-    state.of(instance).verify_rollout = None  # a new rollout: the last one's stored pass is spent
-    with deferred_pass.deferring(instance) as deferred:
-        if options.recompute and decide_for_trainer(instance):
-            output = exact_recompute(wrapped, instance, args, kwargs)
-        else:
-            output = wrapped(*args, **kwargs)
-        deferred_pass.complete(instance, deferred, output)
-    if options.logprob_skip:
+    with state.ROLLOUT.joined(state.RolloutCall) as rollout:
+        exact = FRAMEWORK.on("recompute") and decide_for_trainer(instance)
+        if exact:
+            rollout.decision = rollout_decision(instance)
+        if not exact or rollout.decision.compute:  # a pass the rollout uses: deferred to the kept rows?
+            rollout.deferred = old_logprob_rows.deferral(instance)
+        output = exact_recompute(wrapped, instance, args, kwargs, rollout) if exact else wrapped(*args, **kwargs)
+        old_logprob_rows.complete(instance, rollout, output)
+    if FRAMEWORK.on("logprob_skip"):
         observe_reference_pass(instance, output)
     return output

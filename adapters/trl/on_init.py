@@ -12,29 +12,24 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from grpo_patches import api
 from grpo_patches.errors import GrpoPatchesWarning
 
-from . import filter as zero_advantage_filter
-from . import old_logprobs, overrides, tiled
+from . import FRAMEWORK, old_logprobs, overrides, tiled, zero_advantage
 
 
-def check_on_init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer.__init__``."""
     result = wrapped(*args, **kwargs)
-    options = api.active_options("trl")
-    if options is None:
-        return result
-    if options.recompute:
+    if FRAMEWORK.on("recompute"):
         old_logprobs.decide_for_trainer(instance)
-    if options.zero_advantage_filter is not False:
-        zero_advantage_filter.decide(instance)  # raises for True, notes "off: why" for "auto"
-    if options.tiled_loss:  # select() refused it outside the tiled record's range
+    if FRAMEWORK.on("zero_advantage_filter"):
+        zero_advantage.decide(instance)  # raises for True, notes "off: why" for "auto"
+    if FRAMEWORK.on("tiled_loss"):  # select() refused it outside the tiled record's range
         tiled.decide(instance)
-    if options.verify_every is not None:
+    if FRAMEWORK.on("verify_every"):
         why = overrides.why_off(instance, "verify_every")
         if why is not None:  # never say "verified" for a class whose loss bypasses the wrapper
-            api.note("trl", "verify", f"off for this class: {why}", owner=instance)
+            FRAMEWORK.note("verify", f"off for this class: {why}", owner=instance)
             warnings.warn(f"grpo_patches verify: {type(instance).__name__} is not verified: {why}",
                           GrpoPatchesWarning, stacklevel=2)
     return result

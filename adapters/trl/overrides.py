@@ -4,7 +4,7 @@ A subclass that overrides a wrapped method bypasses the wrapper (unless it calls
 and one that overrides a method an optimization's exactness rests on changes what it would
 have to reproduce. Such an optimization is switched off for that trainer class (with a note
 in ``status()``), or refused when it was asked for explicitly. The zero-advantage filter asks
-:func:`.loss_types.objective_of` instead: it also knows the losses of TRL's own subclasses.
+:func:`.loss_modes.objective_of` instead: it also knows the losses of TRL's own subclasses.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from grpo_patches.patching import overriding_class
 
 from . import GRPO_MODULE
-from .loss_types import class_name
+from .loss_modes import class_name
 
 #: option -> the GRPOTrainer methods it wraps or rests on.
 DEPENDS_ON: dict[str, tuple[str, ...]] = {

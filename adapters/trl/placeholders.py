@@ -1,6 +1,6 @@
 """The placeholder of the deferred old-logprob pass, and the guard that keeps it out of every loss.
 
-The deferred pass (:mod:`.deferred_pass`) computes old log-probs only for the rows the
+The deferred pass (:mod:`.old_logprob_rows`) computes old log-probs only for the rows the
 zero-advantage filter keeps; the rows it leaves out hold a placeholder in
 ``old_per_token_logps``. The placeholder is NaN, never a plausible number, so that it cannot be
 mistaken for a value. Before TRL's loss reads the old log-probs, :func:`guard` replaces it with 0
@@ -69,10 +69,3 @@ def guard(inputs: Mapping[str, Any], read: Any = None, strict: bool = True) -> M
         return inputs
     return {**inputs, KEY: old.masked_fill(replace.reshape(-1, *([1] * (old.dim() - 1))), 0.0)}
 
-
-def call_loss(wrapped: Any, args: tuple, kwargs: dict, inputs: Mapping[str, Any]) -> Any:
-    """Call a wrapped loss method of TRL (``compute_loss`` / ``_compute_loss``: ``(model, inputs,
-    ...)``) with other ``inputs`` (a dict TRL never sees again: its buffered micro-batch stays)."""
-    if "inputs" in kwargs:
-        return wrapped(*args, **{**kwargs, "inputs": inputs})
-    return wrapped(args[0], inputs, *args[2:], **kwargs)

@@ -2,7 +2,7 @@
 
 TRL itself never builds a reference model nor runs the reference pass when ``beta == 0``,
 and logs no KL metric then. So nothing is patched for it: this observer (option
-``logprob_skip``, called by :func:`.old_logprobs.generation_wrapper`) asks the
+``logprob_skip``, called by :func:`.old_logprobs.generate_and_score_completions`) asks the
 ``grpo_skip_reference_pass`` hook about each rollout and checks that TRL did what it decided
 (a decision TRL cannot follow is noted in status, never forced). A pass TRL skips on its own
 is no saving of ours: it is noted per trainer class in ``status()``, never counted in the
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_patches import api
 from grpo_patches.plugins import hook
+
+from . import FRAMEWORK
 
 
 def observe_reference_pass(instance: Any, output: dict) -> None:
     """After ``_generate_and_score_completions`` (training mode): decide, check, count, note."""
     decision = hook().grpo_skip_reference_pass(
-        framework="trl",
+        framework=FRAMEWORK.name,
         kl_coefficients={"beta": float(instance.beta)},
         kl_metrics_requested=False,  # TRL logs "kl" only when beta != 0
     )
@@ -34,4 +35,4 @@ def observe_reference_pass(instance: Any, output: dict) -> None:
         text = f"runs: TRL needs it with beta={instance.beta!r} ({decision.reason})"
     else:
         text = f"runs: {decision.reason}"
-    api.note("trl", "reference_pass", text, owner=instance)
+    FRAMEWORK.note("reference_pass", text, owner=instance)

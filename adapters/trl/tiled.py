@@ -2,17 +2,18 @@
 
 Wraps ``GRPOTrainer.compute_loss``. TRL's ``_compute_loss`` still runs, so every metric it
 logs (entropy, clip ratios, KL, cispo / vespo metrics, policy loss, aux loss) and the loss
-value are TRL's own; only its policy forward is answered differently (:mod:`.policy_forward`):
-TRL's log-prob method runs with a stand-in model that stops at the backbone's last hidden
-state (:class:`LastHidden`; through the wrapped model, so DDP / FSDP hooks fire,
-multimodal inputs cut by TRL, the MoE aux loss from the model itself). The hidden states and
+value are TRL's own; only its policy forward is answered differently (as the micro-step's
+:class:`~.state.LossCall` tells :mod:`.policy_forward`): TRL's log-prob method runs with a
+stand-in model that stops at the backbone's last hidden state (:class:`LastHidden`; through
+the wrapped model, so DDP / FSDP hooks fire, multimodal inputs cut by TRL, the MoE aux loss
+from the model itself). The hidden states and
 the lm-head weight go to the ``grpo_lm_head_loss`` hook, which returns the policy loss with
 TRL's normalisation and the per-token log-probs / entropies. TRL gets those detached; the
 step's loss is TRL's value with the tiled loss's gradient (plus whatever TRL's own terms keep
 differentiable: the router aux loss).
 
 The loss's options (TRL's normalisers from the whole micro-batch, the model's logit
-transforms) are :mod:`.lm_head_loss_options`'s; ``top_entropy_quantile < 1`` takes the
+transforms) come from :mod:`.tiled_options`; ``top_entropy_quantile < 1`` takes the
 entropies from a no-grad tiled pass (``grpo_lm_head_token_stats``) and TRL's own
 ``get_high_entropy_mask``, passed on as ``policy_token_mask``. Whatever the tiled loss does not
 reproduce (a loss type it does not know, a subclass that overrides the loss, a model without a
@@ -27,13 +28,11 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from grpo_patches import api
-from grpo_patches.refuse_or_note import refuse_or_note
+from grpo_patches.call_args import bind
 
-from . import metrics, overrides, placeholders, state
-from .lm_head_loss_options import logit_transform, loss_options
-from .loss_types import LOSS_TYPES, loss_mask
-from .policy_forward import loss_call
+from . import FRAMEWORK, metrics, overrides, placeholders, state
+from .loss_modes import LOSS_TYPES, loss_mask
+from .tiled_options import logit_transform, loss_options
 
 
 def unsupported(trainer: Any) -> list[str]:
@@ -58,7 +57,7 @@ def decide(trainer: Any) -> bool:
     own = state.of(trainer)
     if own.tiled_on is None:
         problems = unsupported(trainer)
-        own.tiled_on = not problems or refuse_or_note("trl", "tiled_loss", problems, owner=trainer)
+        own.tiled_on = not problems or FRAMEWORK.refuse_or_note("tiled_loss", problems, owner=trainer)
     return own.tiled_on
 
 
@@ -83,7 +82,7 @@ def _token_stats(trainer: Any, hidden: Any, head: Any, labels: Any, mask: Any, o
 
 
 def make_tiled_rows(inputs: Mapping[str, Any]) -> Callable[..., tuple]:
-    """The :class:`~.policy_forward.LossCall` ``tiled`` callback for one micro-batch's ``inputs``."""
+    """The :class:`~.state.LossCall` ``tiled`` callback for one micro-batch's ``inputs``."""
 
     def tiled_rows(trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any], rows: Any) -> tuple:
         from grpo_patches.plugins import hook
@@ -162,24 +161,23 @@ class LastHidden:
         return getattr(self.model, name)
 
 
-def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer.compute_loss(model, inputs, ...)``."""
-    inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-    if instance is None or not instance.model.training or state.of(instance).unpatched:
+    if instance is None or not instance.model.training:
         return wrapped(*args, **kwargs)  # evaluation keeps TRL's loss (no backward there)
-    options = api.active_options("trl")
-    if options is None or not options.tiled_loss or not decide(instance):  # verification may switch it off
+    if not FRAMEWORK.on("tiled_loss") or not decide(instance):  # verification may switch it off
         return wrapped(*args, **kwargs)
+    arguments = bind(wrapped, args, kwargs)
     # the deferred pass's placeholders of zero-advantage rows (the filter inside judges the others)
-    inputs = placeholders.guard(inputs, strict=False)
-    with loss_call(instance) as call:
+    inputs = placeholders.guard(arguments["inputs"], strict=False)
+    with state.LOSS.joined(state.LossCall) as call:
         call.tiled = make_tiled_rows(inputs)
-        loss = placeholders.call_loss(wrapped, args, kwargs, inputs)  # TRL's value; its policy terms carry no gradient
+        loss = arguments.call(wrapped, inputs=inputs)  # TRL's value; its policy terms carry no gradient
         if call.tiled_loss is None:
             raise RuntimeError(
                 "grpo_patches: tiled_loss found no policy forward in GRPOTrainer._compute_loss "
                 "(TRL's internals moved?); pass tiled_loss=False"
             )
     calls = metrics.add_count(instance, "tiled_loss_calls", 1, log=False)
-    api.note("trl", "tiled_loss", f"on: {int(calls)} loss calls computed tile by tile", owner=instance)
+    FRAMEWORK.note("tiled_loss", f"on: {int(calls)} loss calls computed tile by tile", owner=instance)
     return loss + (call.tiled_loss - call.tiled_loss.detach())

@@ -3,7 +3,7 @@
 TRL pads a whole generation batch to one width (prompts on the left, completions on the
 right) and hands every micro-batch that width. Once the filter has chosen a micro-batch's
 kept rows, the policy forward (:mod:`.policy_forward`) and the deferred old-logprob pass
-(:mod:`.deferred_pass`) run those rows on the columns some kept row attends to:
+(:mod:`.old_logprob_rows`) run those rows on the columns some kept row attends to:
 
 * **trailing completion padding** (columns after the last one any kept row attends to) is
   always cut. Exact under causal attention: no earlier token reads a later column, and TRL's

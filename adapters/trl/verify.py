@@ -6,15 +6,15 @@ method: it wraps the tiled loss's) runs, on the micro-steps of the optimizer ste
 :func:`grpo_patches.verify.due` picks (``trainer.state.global_step``, 0-based, as the HF
 Trainer counts them), :class:`MicroStep`:
 
-1. the patched computation, as without verification (its :class:`~.policy_forward.LossCall`
-   tells what the filter and the tiled loss did and which log-probs the loss used);
+1. the patched computation, as without verification, in a :class:`~.state.LossCall` it enters
+   (which then tells what the filter and the tiled loss did and which log-probs the loss used);
 2. a skipped old-logprob pass (the recompute decision): TRL's pass, run when the rollout was
    generated (:mod:`.verify_rollout`), against the log-probs the loss used instead,
-   ``grpo_patches/verify/old_logprob_max_abs_diff``;
+   ``grpo_patches/verify/old_logprob_max_abs_diff`` (:mod:`.verify_rows`);
 3. zero-advantage filter / tiled loss, when they ran: the micro-step's gradient both ways
    (``.grad`` untouched), ``grpo_patches/verify/grad_rel_diff`` (relative L2), through
    :func:`grpo_patches.verify.compare_gradients`. The unpatched computation is TRL's own
-   ``compute_loss`` with every wrapper passing through (``state.unpatched``), on the inputs
+   ``compute_loss`` inside ``FRAMEWORK.unpatched()`` (every other record passes through), on the inputs
    unpatched TRL has (its old-logprob pass where the patches skipped or deferred it). In bf16 /
    fp16 the unpatched computation is repeated with the rows in reverse order: the noise floor
    (``grpo_patches/verify/grad_noise_floor``) the tolerance is 10 times of.
@@ -33,7 +33,7 @@ the patched result is never used.
 On a mismatch, ``verify_action="raise"`` stops the run before the step's update
 (:class:`grpo_patches.ExactnessError`); ``"disable"`` switches the optimizations off for the
 rest of the run, this micro-step uses the unpatched result and the buffered rollout gets TRL's
-full pass (:func:`.verify_rollout.unpatch_buffer`), so the run goes on as unpatched.
+full pass (:func:`.verify_rows.unpatch_buffer`), so the run goes on as unpatched.
 
 Not verified: TRL's reference pass at ``beta=0`` (TRL skips it itself: :mod:`.reference`), a
 pass the recompute decision adds where TRL's rule goes stale (the fix, not a saving), and a
@@ -46,9 +46,9 @@ from contextlib import nullcontext
 from typing import Any, Callable, Mapping
 
 from grpo_patches import verify
+from grpo_patches.call_args import bind
 
-from . import logprob_pass, metrics, placeholders, state, verify_rollout
-from .policy_forward import loss_call
+from . import FRAMEWORK, logprob_pass, metrics, state, verify_rows
 from .row_subsets import is_multimodal
 from .verify_trace import Trace
 
@@ -56,12 +56,12 @@ from .verify_trace import Trace
 NOISE_METRIC = verify.NOISE_METRIC
 
 
-def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer.compute_loss(model, inputs, ...)`` (option ``verify_every``)."""
-    if instance is None or not instance.model.training or state.of(instance).unpatched:
+    if instance is None or not instance.model.training:
         return wrapped(*args, **kwargs)
     step = int(instance.state.global_step)
-    if not verify.due("trl", step):
+    if not FRAMEWORK.verify_due(step):
         return wrapped(*args, **kwargs)
     # reentrant checkpointing cannot give gradients to torch.autograd.grad: off for this
     # micro-step (the same gradients, more activation memory)
@@ -95,47 +95,38 @@ class MicroStep:
 
     def __init__(self, wrapped: Callable[..., Any], trainer: Any, args: tuple, kwargs: dict, step: int) -> None:
         self.wrapped, self.trainer, self.args, self.kwargs, self.step = wrapped, trainer, args, kwargs, step
-        self.model = kwargs["model"] if "model" in kwargs else args[0]
-        self.inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-        self.match = verify_rollout.find(trainer, self.inputs)
-        self.upstream = verify_rollout.upstream_inputs(self.inputs, self.match)
+        self.arguments = bind(wrapped, args, kwargs)
+        self.model, self.inputs = self.arguments["model"], self.arguments["inputs"]
+        self.match = verify_rows.find(trainer, self.inputs)
+        self.upstream = verify_rows.upstream_inputs(self.inputs, self.match)
         self.trace = Trace(trainer)
         self.start = verify.rng_state()
         self.figures: dict[str, float] = {}
         self.unpatched_end: tuple | None = None
 
-    def patched(self) -> tuple[Any, Any, tuple]:
+    def patched(self) -> tuple[Any, state.LossCall, tuple]:
         """The micro-step as without verification: (loss, its LossCall, (trace, random state)).
-        A placeholder it would read stays NaN (``state.verifying``): the comparison catches it."""
-        own = state.of(self.trainer)
-        own.verifying = True
-        try:
-            with loss_call(self.trainer) as call:
-                loss = self.wrapped(*self.args, **self.kwargs)
-        finally:
-            own.verifying = False
+        A placeholder it would read stays NaN (``LossCall.verifying``): the comparison catches it."""
+        with state.LOSS.entered(state.LossCall(verifying=True)) as call:
+            loss = self.wrapped(*self.args, **self.kwargs)
         return loss, call, (self.trace.take(), verify.rng_state())
 
     def unpatched(self, inputs: Mapping[str, Any] | None = None) -> tuple[Any, tuple]:
         """TRL's own computation on the inputs unpatched TRL has, from the same random state."""
         verify.set_rng_state(self.start)
-        own = state.of(self.trainer)
-        own.unpatched = True
-        try:
-            loss = placeholders.call_loss(self.wrapped, self.args, self.kwargs, inputs or self.upstream)
-        finally:
-            own.unpatched = False
+        with FRAMEWORK.unpatched():
+            loss = self.arguments.call(self.wrapped, inputs=inputs or self.upstream)
         return loss, (self.trace.take(), verify.rng_state())
 
     def run(self) -> Any:
         loss, call, end = self.patched()
         if self.match is not None and self.match.rollout.skipped:
             rows = call.keep if call.keep is not None else _all_rows(self.inputs)
-            verdict = verify_rollout.check_skipped(self.trainer, self.step, self.match, self.inputs, call.logps, rows)
+            verdict = verify_rows.check_skipped(self.trainer, self.step, self.match, self.inputs, call.logps, rows)
             self.figures.update(verdict.metrics)
             if not verdict.ok:  # "disable": recompute is off; this micro-step and the rollout as unpatched
-                verify_rollout.note_switched_off(self.trainer, verdict, ["recompute"])
-                verify_rollout.unpatch_buffer(self.trainer)
+                verify_rows.note_switched_off(self.trainer, verdict, ["recompute"])
+                verify_rows.unpatch_buffer(self.trainer)
                 loss, end = self.unpatched()
                 return self.finish(loss, end)
         names = [name for name, ran in (("zero_advantage_filter", call.keep is not None),
@@ -155,10 +146,10 @@ class MicroStep:
             return self.unpatched(reversed_rows(self.upstream))[0]
 
         result = verify.compare_gradients(
-            "trl", names, self.step, [p for p in self.model.parameters() if p.requires_grad],
+            FRAMEWORK.name, names, self.step, [p for p in self.model.parameters() if p.requires_grad],
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,
-            dtype=verify_rollout.compute_dtype(self.trainer),
+            dtype=verify_rows.compute_dtype(self.trainer),
             detail="the micro-step's gradient against TRL's unpatched loss" + (
                 "" if bool(patched_loss.detach().isfinite().all()) else
                 "; the patched loss is not finite: a NaN placeholder of the deferred old-logprob pass reached it"),
@@ -168,8 +159,8 @@ class MicroStep:
             self.figures[NOISE_METRIC] = result.noise_floor
         if result.patched:
             return self.finish(result.loss, patched_end)
-        verify_rollout.note_switched_off(self.trainer, result.verdict, names)
-        verify_rollout.unpatch_buffer(self.trainer)  # the filter's placeholders give way to TRL's pass
+        verify_rows.note_switched_off(self.trainer, result.verdict, names)
+        verify_rows.unpatch_buffer(self.trainer)  # the filter's placeholders give way to TRL's pass
         return self.finish(result.loss, ends["unpatched"])
 
     def finish(self, loss: Any, end: tuple) -> Any:

@@ -4,102 +4,72 @@ Two optimizations change TRL's old-logprob pass (``_generate_and_score_completio
 
 * the recompute decision (option ``recompute``, :mod:`.old_logprobs`) skips it for a rollout
   TRL's own rule would compute it for: the loss then uses the detached current log-probs;
-* the deferred pass (:mod:`.deferred_pass`, part of ``zero_advantage_filter``) computes it only
-  for the rows the filter keeps; the other rows hold a NaN placeholder.
+* the deferred pass (:mod:`.old_logprob_rows`, part of ``zero_advantage_filter``) computes it
+  only for the rows the filter keeps; the other rows hold a NaN placeholder.
 
-When a rollout's micro-steps fall on a verify step (:func:`wanted`), TRL's pass also runs over
-every row, with TRL's own method and arguments, no gradients and no trace on the random state
-(:func:`full_pass`): for a skipped pass, TRL is made to run its own call (:class:`Capture`),
-whose values are taken out of the rollout again. The result is kept as a
-:class:`StoredRollout`:
+This module's record on ``_generate_and_score_completions`` (option ``verify_every``, outermost:
+:func:`generate_and_score_completions`) watches each rollout whose micro-steps fall on a
+verify step (:func:`wanted`): it enters the rollout's :class:`~.state.RolloutCall` with an
+:class:`Observer`, and the records inside do what they always do. The observer sees TRL's pass
+over every row, with TRL's own method and arguments, no gradients and no trace on the random
+state (:func:`full_pass`):
 
-* a deferred pass is compared at once, kept rows against the full pass
-  (:func:`check_deferred`, ``grpo_patches/verify/old_logprob_max_abs_diff``);
-* a skipped pass is compared in each micro-step, with the log-probs the loss used
-  (:func:`check_skipped`, by :mod:`.verify`);
-* the unpatched computation of a verify micro-step reads it as TRL would (:func:`upstream_inputs`),
-  and a ``"disable"`` verdict puts it into TRL's buffered micro-batches (:func:`unpatch_buffer`),
-  so the rest of the rollout runs as unpatched.
+* a skipped pass: TRL runs its own call anyway where its rule says so
+  (:attr:`~.state.RolloutCall.observed_pass`), answered by the observer; once the rollout is
+  made, the values leave it again and are kept (:class:`~.state.StoredRollout`) for each
+  micro-step to compare with the log-probs the loss used (:func:`.verify_rows.check_skipped`);
+* a deferred pass: compared at once, kept rows against the full pass (:meth:`Observer.check_deferred`,
+  ``grpo_patches/verify/old_logprob_max_abs_diff``), and kept too.
 
-TRL shuffles a rollout's rows and splits them into micro-batches without keeping an index: a
-micro-batch's rows are found again by their prompt and completion (:func:`grpo_patches.verify.match_rows`).
-
-A pass TRL's rule does not run (an aligned schedule) is no saving of ours, and a pass the
-decision adds (where TRL's rule goes stale) is what TRL should have run: neither is verified.
+The unpatched computation of a verify micro-step reads the kept pass as TRL would
+(:mod:`.verify_rows`). A pass TRL's rule does not run (an aligned schedule) is no saving of
+ours, and a pass the decision adds (where TRL's rule goes stale) is what TRL should have run:
+neither is verified.
 """
 
 from __future__ import annotations
 
-import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
-from grpo_patches import api, verify
+from grpo_patches import verify
+from grpo_patches.errors import UnsupportedFrameworkError
 
-from . import logprob_pass, metrics, placeholders, state
-from .loss_types import loss_mask
+from . import FRAMEWORK, logprob_pass, metrics, state
+from .loss_modes import loss_mask
+from .placeholders import KEY
 from .row_subsets import is_multimodal
-
-#: The tensors a row is recognised by in a micro-batch (TRL's rollout keys).
-ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-
-
-@dataclass
-class StoredRollout:
-    """TRL's old-logprob pass over every row of the latest rollout (verify steps only).
-
-    :ivar rows: the rollout's :data:`ROW_KEYS` tensors (to find a micro-batch's rows).
-    :ivar old: ``[B, T]`` the pass as unpatched TRL computes it.
-    :ivar skipped: the recompute decision skipped TRL's pass (the loss uses current log-probs).
-    :ivar noise_floor: half precision: the pass repeated with the rows re-batched (max abs diff).
-    """
-
-    rows: list
-    old: Any
-    skipped: bool
-    noise_floor: float | None
-
-
-@dataclass
-class Match:
-    """A micro-batch's rows in the stored rollout: per row, the rollout rows with its inputs."""
-
-    rollout: StoredRollout
-    candidates: list[list[int]]
-
-    def first(self) -> list[int] | None:
-        """One rollout row per micro-batch row (``None`` when a row was not found)."""
-        if not all(self.candidates):
-            return None
-        return [found[0] for found in self.candidates]
-
-
-def compute_dtype(trainer: Any) -> Any:
-    """The precision TRL computes in: bf16 / fp16 autocast, else the model's parameter dtype."""
-    import torch
-
-    if getattr(trainer.args, "bf16", False):
-        return torch.bfloat16
-    if getattr(trainer.args, "fp16", False):
-        return torch.float16
-    return next(trainer.model.parameters()).dtype
-
-
-def is_half(trainer: Any) -> bool:
-    import torch
-
-    return compute_dtype(trainer) in (torch.bfloat16, torch.float16)
+from .state import StoredRollout
+from .verify_rows import ROW_KEYS, is_half, note_switched_off, tolerance
 
 
 def wanted(trainer: Any) -> bool:
     """Whether a verify step consumes the rollout generated now: its ``steps_per_generation *
     num_iterations`` micro-steps span at most that many optimizer steps from this one."""
-    if verify.settings("trl")[0] is None:
-        return False
     step = int(trainer.state.global_step)
     span = int(trainer.args.steps_per_generation) * int(trainer.num_iterations)
-    return any(verify.due("trl", s) for s in range(step, step + span))
+    return any(FRAMEWORK.verify_due(s) for s in range(step, step + span))
+
+
+def generate_and_score_completions(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``GRPOTrainer._generate_and_score_completions`` (option ``verify_every``)."""
+    if not instance.model.training:
+        return wrapped(*args, **kwargs)
+    state.of(instance).verify_rollout = None  # a new rollout: the last one's kept pass is spent
+    if not wanted(instance):
+        return wrapped(*args, **kwargs)
+    with state.ROLLOUT.entered(state.RolloutCall(observer=Observer())) as rollout:
+        output = wrapped(*args, **kwargs)
+    observer = rollout.observer
+    if rollout.observed_pass:  # TRL's pass, run for verification only: out of the rollout, kept
+        if observer.output is None or KEY not in output:
+            raise UnsupportedFrameworkError(
+                "grpo_patches verify: GRPOTrainer._generate_and_score_completions did not run its old-logprob "
+                "pass when its modulo rule said so, so the skipped pass cannot be verified; pass verify_every=None"
+            )
+        output.pop(KEY)
+        store(instance, output, observer.output[0], skipped=True, floor=observer.noise_floor)
+    return output
 
 
 def full_pass(trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any]) -> tuple[tuple, float | None]:
@@ -129,20 +99,21 @@ def store(trainer: Any, output: Mapping[str, Any], old: Any, skipped: bool, floo
     return stored
 
 
-# -- the skipped pass, run for verification only ----------------------------------------------
-
-
 @dataclass
-class Capture:
-    """Answers TRL's old-logprob call in a rollout whose pass the recompute decision skipped,
-    made to run only for verification: TRL's own call, over every row, with no trace on the
-    random state (:func:`full_pass`). The values are taken out of the rollout afterwards."""
+class Observer:
+    """Verify mode's look at one rollout's old-logprob pass (module docstring).
+
+    :ivar output: TRL's pass over every row, where TRL ran it for verification only.
+    :ivar noise_floor: its half-precision noise floor (:func:`full_pass`).
+    """
 
     output: tuple | None = None
     noise_floor: float | None = None
 
     def answer(self, trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any], arity: int) -> tuple | None:
-        """Asked by the routing wrapper for a log-prob call outside a loss call (``None``: not ours)."""
+        """TRL's old-logprob call in a rollout whose pass the decision skipped (asked through
+        :meth:`.state.RolloutCall.answer`): TRL's own pass over every row, with no trace on the
+        random state (``None``: not that call)."""
         import torch
 
         if self.output is not None or torch.is_grad_enabled() or arguments.get("model") is not trainer.model:
@@ -150,108 +121,24 @@ class Capture:
         self.output, self.noise_floor = full_pass(trainer, method, arguments)
         return self.output
 
+    def check_deferred(self, trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any],
+                       output: Mapping[str, Any], old: Any, keep: Any) -> Any:
+        """Compare the deferred pass's kept rows with TRL's pass over every row (TRL's log-prob
+        ``method`` on TRL's ``arguments``); keep the latter.
 
-def force_pass(trainer: Any, upstream: bool, compute: bool) -> bool:
-    """Whether this rollout's pass runs for verification only: the decision skipped a pass
-    TRL's rule runs (``upstream and not compute``) and a verify step consumes the rollout."""
-    return upstream and not compute and wanted(trainer)
-
-
-@contextmanager
-def capturing(trainer: Any, force: bool) -> Iterator[Capture | None]:
-    """For one ``_generate_and_score_completions`` call: arm a :class:`Capture` (``force``).
-    The deferral is off meanwhile: the forced pass is compared, never used."""
-    if not force:
-        yield None
-        return
-    own = state.of(trainer)
-    deferred, own.deferred = own.deferred, None
-    own.verify_capture = Capture()
-    try:
-        yield own.verify_capture
-    finally:
-        own.verify_capture, own.deferred = None, deferred
-
-
-# -- comparisons -------------------------------------------------------------------------------
-
-
-def _tolerance(trainer: Any, floor: float | None) -> float:
-    return verify.tolerance("trl", compute_dtype(trainer), floor)
-
-
-def note_switched_off(trainer: Any, verdict: verify.Verdict, names: list[str]) -> None:
-    """After ``"disable"``: the trainer class's notes say so too (they said "on" until now)."""
-    for name in names:
-        api.note("trl", name, f"off: {verdict.reason}", owner=trainer)
-
-
-def check_deferred(trainer: Any, arguments: Mapping[str, Any], output: Mapping[str, Any], old: Any, keep: Any) -> Any:
-    """Compare the deferred pass's kept rows with TRL's pass over every row; keep the latter.
-
-    :returns: the old log-probs the rollout goes on with: ``old`` (the deferred pass, NaN
-        placeholders in the other rows), or TRL's full pass when ``"disable"`` switched the
-        filter off."""
-    full_output, floor = full_pass(trainer, trainer._get_per_token_logps_and_entropies, arguments)
-    full = full_output[0].to(old.dtype)
-    keep = keep.to(old.device)
-    measured = verify.max_abs_diff(old[keep], full[keep], loss_mask(output)[keep])
-    verdict = verify.check("trl", ["zero_advantage_filter"], int(trainer.state.global_step), "old_logprob_max_abs_diff",
-                           measured, _tolerance(trainer, floor),
-                           detail="the old-logprob pass deferred to the kept rows against TRL's pass over every row")
-    metrics.record_verify(trainer, verdict.metrics)
-    store(trainer, output, full, skipped=False, floor=floor)
-    if verdict.ok:
-        return old
-    note_switched_off(trainer, verdict, ["zero_advantage_filter"])
-    return full
-
-
-def find(trainer: Any, inputs: Mapping[str, Any]) -> Match | None:
-    """The stored rollout's rows of micro-batch ``inputs`` (``None``: nothing stored)."""
-    stored = state.of(trainer).verify_rollout
-    if stored is None:
-        return None
-    if any(inputs.get(key) is None for key in ROW_KEYS):
-        return Match(stored, [[] for _ in range(int(inputs["advantages"].size(0)))])
-    return Match(stored, verify.match_rows([inputs[key] for key in ROW_KEYS], stored.rows))
-
-
-def upstream_inputs(inputs: Mapping[str, Any], match: Match | None) -> Mapping[str, Any]:
-    """Micro-batch ``inputs`` as unpatched TRL has them: TRL's full pass as old log-probs
-    where the patches skipped or deferred it."""
-    rows = match.first() if match is not None else None
-    if rows is None:
-        return placeholders.guard(inputs)  # nothing to substitute: a placeholder read is an error
-    import torch
-
-    old = match.rollout.old
-    index = torch.tensor(rows, device=old.device)
-    return {**inputs, placeholders.KEY: old.index_select(0, index).to(inputs["completion_ids"].device)}
-
-
-def check_skipped(trainer: Any, step: int, match: Match, inputs: Mapping[str, Any], used: Any, rows: Any) -> verify.Verdict:
-    """Compare a skipped pass with the log-probs the loss used instead (the detached current
-    ones): per micro-batch row that had a forward (``rows``), over its completion tokens, the
-    closest rollout row with its inputs; the largest difference."""
-    mask = loss_mask(inputs)
-    measured = 0.0 if used is not None else math.inf
-    old = match.rollout.old
-    for row in ([] if used is None else rows.tolist()):
-        found = match.candidates[row]
-        differences = [verify.max_abs_diff(used[row], old[other].to(used.device), mask[row]) for other in found]
-        measured = max(measured, min(differences, default=math.inf))
-    return verify.check("trl", ["recompute"], step, "old_logprob_max_abs_diff", measured,
-                        _tolerance(trainer, match.rollout.noise_floor),
-                        detail="a skipped old-logprob pass against the current log-probs the loss used instead")
-
-
-def unpatch_buffer(trainer: Any) -> None:
-    """After ``"disable"``: TRL's full pass into every buffered micro-batch of the stored
-    rollout, so that its remaining micro-steps read what unpatched TRL reads."""
-    stored = state.of(trainer).verify_rollout
-    for batch in getattr(trainer, "_buffered_inputs", None) or ():
-        match = find(trainer, batch) if stored is not None else None
-        rows = match.first() if match is not None else None
-        if rows is not None:
-            batch[placeholders.KEY] = upstream_inputs(batch, match)[placeholders.KEY]
+        :returns: the old log-probs the rollout goes on with: ``old`` (the deferred pass, NaN
+            placeholders in the other rows), or TRL's full pass when ``"disable"`` switched the
+            filter off."""
+        full_output, floor = full_pass(trainer, method, arguments)
+        full = full_output[0].to(old.dtype)
+        keep = keep.to(old.device)
+        measured = verify.max_abs_diff(old[keep], full[keep], loss_mask(output)[keep])
+        verdict = verify.check(FRAMEWORK.name, ["zero_advantage_filter"], int(trainer.state.global_step),
+                               "old_logprob_max_abs_diff", measured, tolerance(trainer, floor),
+                               detail="the old-logprob pass deferred to the kept rows against TRL's pass over every row")
+        metrics.record_verify(trainer, verdict.metrics)
+        store(trainer, output, full, skipped=False, floor=floor)
+        if verdict.ok:
+            return old
+        note_switched_off(trainer, verdict, ["zero_advantage_filter"])
+        return full

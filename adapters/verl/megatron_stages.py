@@ -8,6 +8,7 @@ stage, so that each stage makes the same decisions.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 #: Marks the stand-in output of a pipeline stage that is not the last (verl returns ``{}`` there).
@@ -19,6 +20,7 @@ def on_every_stage(engine_wrapper: Callable[..., Any], wrapped: Callable[..., An
     """Run a wrapper written for the FSDP engine's ``forward_backward_batch`` (it edits
     ``output["metrics"]``) on every pipeline stage: the stages before the last return ``{}``."""
 
+    @functools.wraps(wrapped)  # the engine wrapper binds verl's arguments through it
     def run(*a: Any, **kw: Any) -> Any:
         output = wrapped(*a, **kw)
         return output if output else {"metrics": {}, _NOT_LAST_STAGE: True}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, MutableMapping
 
-from grpo_patches import savings
+from . import FRAMEWORK
 
 PREFIX = "grpo_patches/"
 #: The suffix of a metric computed over the rows the filter kept (``dropped_rows_metrics=False``).
@@ -22,7 +22,7 @@ def report(metrics: MutableMapping[str, Any] | None, **counts: float) -> None:
     """Add the counts of one update to ``status()`` totals and to ``metrics`` (``grpo_patches/<name>``)."""
     nonzero = {name: value for name, value in counts.items() if value and name not in NOT_SAVINGS}
     if nonzero:
-        savings.report("verl", **nonzero)
+        FRAMEWORK.report_savings(**nonzero)
     if metrics is not None:
         for name, value in counts.items():
             metrics[PREFIX + name] = float(value)

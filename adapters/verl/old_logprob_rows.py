@@ -6,15 +6,15 @@ any optimizer step (their old log-probs are the current ones), and with the zero
 filter packing rows a row whose advantage is exactly 0 never reaches a loss. So:
 
 * ``_compute_old_log_prob`` (wrapped) defers the pass: the trainer gets the row-level
-  placeholder (:mod:`.placeholder`) for ``old_log_probs`` (and ``entropys``: the trainer's
+  placeholder (:mod:`.placeholders`) for ``old_log_probs`` (and ``entropys``: the trainer's
   ``actor/entropy`` is NaN, i.e. not computed, and ``perf/mfu/actor_infer`` too);
 * ``_update_actor`` (wrapped), once the advantages exist and before any weight changes
   (verl's reference, critic and advantage stages in between leave the actor alone and read
   no old log-probs), runs verl's own ``_compute_old_log_prob`` on the rows of
-  :func:`.old_logprob_rows_plan.needed_rows` (``DataProto.select_idxs``, padded with repeats
+  :func:`.needed_rows.needed_rows` (``DataProto.select_idxs``, padded with repeats
   of its first row to a multiple of the data-parallel size, as the workers' dispatch needs)
   and scatters them back; the other rows keep the placeholder, which the patched worker
-  replaces by the detached current log-probs in the loss (:mod:`.old_logprob_rows_worker`),
+  replaces by the detached current log-probs in the loss (:mod:`.row_substitution`),
   and the update must confirm it did (:mod:`.skip_guarantee`), or the run stops.
 
 Saving: ``grpo_patches/old_logprob_rows_skipped`` in the update's metrics (and ``status()``):
@@ -29,21 +29,24 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches import api, call_reach
+from grpo_patches import call_reach
+from grpo_patches.call_args import bind
+from grpo_patches.row_merge import round_up
 
+from . import FRAMEWORK
 from . import metrics as verl_metrics
-from . import placeholder
+from . import placeholders, state
 from .config_value import config_value
-from .old_logprobs import needed_elsewhere
-from .old_logprob_rows_plan import data_parallel_size, filter_drops_zero_rows, needed_rows, pass_row_multiple
-from .skip_guarantee import expect_substitution, trainer_state, workers_substitute_rows
-
-NOTE = "old_logprob_pass"
+from .needed_rows import data_parallel_size, filter_drops_zero_rows, needed_rows, pass_row_multiple
+from .old_logprobs import NOTE, needed_elsewhere
+from .skip_guarantee import expect_substitution, workers_substitute_rows
 
 
 def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``RayPPOTrainer._compute_old_log_prob(batch) -> (DataProto, mfu)``: defer the pass."""
-    batch = args[0] if args else kwargs["batch"]
+    if not FRAMEWORK.on("recompute") or instance is None:
+        return wrapped(*args, **kwargs)
+    batch = bind(wrapped, args, kwargs)["batch"]
     own = deferral(instance, len(batch), lambda: needed_elsewhere(instance, batch))
     if own is None:
         return wrapped(*args, **kwargs)
@@ -51,8 +54,8 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
 
     own.deferred = wrapped
     mask = batch.batch["response_mask"]
-    return DataProto.from_dict(tensors={"old_log_probs": placeholder.rows_like(mask),
-                                        "entropys": placeholder.rows_like(mask)}), float("nan")
+    return DataProto.from_dict(tensors={"old_log_probs": placeholders.rows_like(mask),
+                                        "entropys": placeholders.rows_like(mask)}), float("nan")
 
 
 def deferral(trainer: Any, rows: int, elsewhere: Callable[[], str | None],
@@ -60,24 +63,23 @@ def deferral(trainer: Any, rows: int, elsewhere: Callable[[], str | None],
     """The trainer's state (``deferred`` cleared) when its pass over ``rows`` rows is deferred, else
     ``None`` with the reason noted; ``elsewhere``: what else reads the old log-probs, ``overridden``: a
     trainer-class reason checked first. Both trainer lines' ``_compute_old_log_prob`` wrappers start here."""
-    options = api.active_options("verl")
-    if options is None or not options.recompute or trainer is None:
+    if not FRAMEWORK.on("recompute") or trainer is None:
         return None
-    own = trainer_state(trainer)
+    own = state.trainer(trainer)
     own.deferred = None
-    why = overridden() or why_every_row(trainer, rows, options, elsewhere())
+    why = overridden() or why_every_row(trainer, rows, elsewhere())
     if why is not None:
         if why:  # "" : logprob_skip's case, noted by its own wrapper
-            api.note("verl", NOTE, f"computed for every row: {why}", owner=trainer)
+            FRAMEWORK.note(NOTE, f"computed for every row: {why}", owner=trainer)
         return None
-    api.note("verl", NOTE, "deferred to the update: computed only for the rows a loss reads after an optimizer "
-             "step (recompute)", owner=trainer)
+    FRAMEWORK.note(NOTE, "deferred to the update: computed only for the rows a loss reads after an optimizer "
+                   "step (recompute)", owner=trainer)
     return own
 
 
 def take_deferred(trainer: Any) -> Any | None:
     """The pass ``deferral`` left on ``trainer`` (taken off it: it runs once), or ``None``."""
-    own = trainer_state(trainer) if trainer is not None else None
+    own = state.trainer(trainer) if trainer is not None else None
     deferred = own.deferred if own is not None else None
     if deferred is not None:
         own.deferred = None
@@ -89,7 +91,7 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     deferred = take_deferred(instance)
     if deferred is None:
         return wrapped(*args, **kwargs)
-    batch = args[0] if args else kwargs["batch"]
+    batch = bind(wrapped, args, kwargs)["batch"]
     needed = needed_rows(instance, batch)
     computed = _run_pass(deferred, instance, batch, needed)
     if not bool(needed.all()):
@@ -97,9 +99,13 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     output = wrapped(*args, **kwargs)
     skipped = len(batch) - computed
     verl_metrics.report(getattr(output, "meta_info", {}).setdefault("metrics", {}), old_logprob_rows_skipped=skipped)
-    api.note("verl", NOTE, f"minimal pass (recompute): {computed} of {len(batch)} rows computed in the last step",
-             owner=instance)
+    note_computed(instance, computed, len(batch))
     return output
+
+
+def note_computed(trainer: Any, computed: int, rows: int) -> None:
+    """``status()``: the minimal pass of ``trainer``'s last step ran on ``computed`` of ``rows`` rows."""
+    FRAMEWORK.note(NOTE, f"minimal pass (recompute): {computed} of {rows} rows computed in the last step", owner=trainer)
 
 
 def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: Any) -> int:
@@ -109,7 +115,7 @@ def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: An
     index = torch.nonzero(needed).flatten()
     if index.numel() == 0:
         return 0
-    pad = (-index.numel()) % pass_row_multiple(trainer)
+    pad = round_up(index.numel(), pass_row_multiple(trainer)) - index.numel()
     rows = torch.cat([index, index[:1].repeat(pad)]) if pad else index
     subset = batch.select_idxs(rows)
     subset.meta_info = dict(batch.meta_info)  # select_idxs shares the dict: the update reads the batch's own
@@ -122,7 +128,7 @@ def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: An
     return int(rows.numel())
 
 
-def why_every_row(trainer: Any, rows: int, options: Any, elsewhere: str | None) -> str | None:
+def why_every_row(trainer: Any, rows: int, elsewhere: str | None) -> str | None:
     """Why the pass runs on every one of ``rows`` now (``""``: logprob_skip's whole-batch case), or
     ``None``: deferred; ``elsewhere``: what else reads the old log-probs (the trainer's own check)."""
     actor = trainer.config.actor_rollout_ref.actor
@@ -131,14 +137,16 @@ def why_every_row(trainer: Any, rows: int, options: Any, elsewhere: str | None) 
     mini_batches = -(-(rows // dp) // max(int(actor.ppo_mini_batch_size) * n // dp, 1))
     epochs = int(actor.get("ppo_epochs", 1))
     if mini_batches * epochs <= 1:
-        return "" if options.logprob_skip else "one optimizer step consumes the batch (logprob_skip=False runs it)"
+        if FRAMEWORK.on("logprob_skip"):
+            return ""
+        return "one optimizer step consumes the batch (logprob_skip=False runs it)"
     if elsewhere:
         return elsewhere
     if not call_reach.reaches(type(trainer), "fit", "_update_actor"):
         return f"{type(trainer).__qualname__}.fit never calls _update_actor, where the deferred pass runs"
     if epochs > 1 and not filter_drops_zero_rows(trainer):
         return "every row is read after an optimizer step (ppo_epochs > 1, no zero-advantage filter dropping rows)"
-    if options.verify_every is not None:
+    if FRAMEWORK.setting("verify_every") is not None:
         return "verify mode (verify_every) compares the whole pass"
     if config_value(trainer.config, "actor_rollout_ref.actor.strategy", "fsdp") == "megatron":
         return "the Megatron workers have no row substitution"

@@ -5,17 +5,17 @@ keys in TransferQueue and hands on a ``KVBatchMeta``. The legacy trainer's minim
 (:mod:`.old_logprob_rows`) carries over key for key:
 
 * ``_compute_old_log_prob`` (wrapped) defers the pass: it writes the row-level placeholder
-  (:func:`.placeholder.rows_like`, jagged as ``response_mask``) as every key's ``old_log_probs``
+  (:func:`.placeholders.rows_like`, jagged as ``response_mask``) as every key's ``old_log_probs``
   and no ``entropy`` (no ``actor/entropy`` from the trainer: the subset's would not be the batch's);
 * ``_update_actor`` (wrapped), once the advantages are in TransferQueue and before any weight
   changes (the reference, critic and advantage stages leave the actor alone and read no old
   log-probs in the configs deferred), runs verl's own ``_compute_old_log_prob`` on the
-  ``KVBatchMeta.select_keys`` of the rows of :func:`.old_logprob_rows_plan.needed_rows` (the
+  ``KVBatchMeta.select_keys`` of the rows of :func:`.needed_rows.needed_rows` (the
   update's order: ``_balance_batch`` has already reordered the keys the dispatch chunks),
   topped up to the dispatch's multiple with unneeded rows (keys are unique: no repeats; those
   rows just get real old log-probs). verl's pass writes their ``old_log_probs``; the others keep
   the placeholder, which the engine worker replaces by the detached current log-probs before
-  the first optimizer step or refuses (:mod:`.old_logprob_rows_worker`), and the update must
+  the first optimizer step or refuses (:mod:`.row_substitution`), and the update must
   confirm it did (:mod:`.skip_guarantee`).
 
 Saving: ``grpo_patches/old_logprob_rows_skipped`` in the step's metrics (and ``status()``).
@@ -28,13 +28,15 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
+from grpo_patches.row_merge import round_up
 
+from . import FRAMEWORK
 from . import metrics as verl_metrics
-from . import placeholder
-from .old_logprob_rows import NOTE, deferral, take_deferred
-from .old_logprob_rows_plan import needed_rows, pass_row_multiple, useful_rows_of
-from .old_logprobs import nested_like, v1_needed_elsewhere
+from . import placeholders
+from .needed_rows import needed_rows, pass_row_multiple, useful_rows_of
+from .old_logprob_rows import deferral, note_computed, take_deferred
+from .old_logprobs_v1 import needed_elsewhere, nested_like
 from .skip_guarantee import expect_substitution
 
 
@@ -57,8 +59,10 @@ def _overrides_the_pass(trainer: Any) -> str | None:
 
 def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the V1 ``PPOTrainer._compute_old_log_prob(batch, metrics) -> KVBatchMeta``: defer it."""
-    batch = args[0] if args else kwargs["batch"]
-    own = deferral(instance, len(batch), lambda: v1_needed_elsewhere(instance), lambda: _overrides_the_pass(instance))
+    if not FRAMEWORK.on("recompute") or instance is None:
+        return wrapped(*args, **kwargs)
+    batch = bind(wrapped, args, kwargs)["batch"]
+    own = deferral(instance, len(batch), lambda: needed_elsewhere(instance), lambda: _overrides_the_pass(instance))
     if own is None:
         return wrapped(*args, **kwargs)
     from tensordict import TensorDict
@@ -66,7 +70,7 @@ def compute_old_log_prob(wrapped: Callable[..., Any], instance: Any, args: tuple
     tq = _tq()
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
     mask = data["response_mask"]
-    old = nested_like(mask, placeholder.rows_like(mask.values() if mask.is_nested else mask))
+    old = nested_like(mask, placeholders.rows_like(mask.values() if mask.is_nested else mask))
     own.deferred = (wrapped, copy.deepcopy(batch.extra_info))  # the pass's metadata as verl would have sent it
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                            fields=TensorDict({"old_log_probs": old}, batch_size=data.batch_size))
@@ -77,8 +81,8 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     deferred = take_deferred(instance)
     if deferred is None:
         return wrapped(*args, **kwargs)
-    batch = args[0] if args else kwargs["batch"]
-    metrics = args[1] if len(args) > 1 else kwargs.get("metrics")
+    call = bind(wrapped, args, kwargs)
+    batch, metrics = call["batch"], call["metrics"]
     data = _tq().kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                               select_fields=["advantages", "response_mask"]).to_padded_tensor()
     needed = needed_rows(instance, batch, useful_rows_of(data["advantages"], data["response_mask"]))
@@ -87,8 +91,7 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         expect_substitution(instance, "rows")  # the update must confirm that its workers substituted
     output = wrapped(*args, **kwargs)
     verl_metrics.report(metrics, old_logprob_rows_skipped=len(batch) - computed)
-    api.note("verl", NOTE, f"minimal pass (recompute): {computed} of {len(batch)} rows computed in the last step",
-             owner=instance)
+    note_computed(instance, computed, len(batch))
     return output
 
 
@@ -100,7 +103,7 @@ def _run_pass(deferred: Callable[..., Any], extra_info: dict, trainer: Any, batc
     if not index:
         return 0
     multiple = pass_row_multiple(trainer)
-    target = min(-(-len(index) // multiple) * multiple, len(batch))
+    target = min(round_up(len(index), multiple), len(batch))
     chosen = set(index)
     index += [i for i in range(len(batch)) if i not in chosen][: target - len(index)]
     subset = batch.select_keys([batch.keys[i] for i in sorted(index)])

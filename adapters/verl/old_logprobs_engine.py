@@ -1,7 +1,7 @@
 """The old-logprob pass on on-policy updates, worker side of verl's engine (0.8.0-0.9.1).
 
 The engine's ``ppo_loss`` always reads ``old_log_probs``. When the trainer skipped their pass
-(:mod:`.old_logprobs`), the worker receives them as the placeholder (:mod:`.placeholder`) on
+(:mod:`.old_logprobs`), the worker receives them as the placeholder (:mod:`.placeholders`) on
 every token, whichever trainer (V1 with TransferQueue, or the legacy one) carried them; the
 update is one mini-batch and one epoch, so the first and only forward runs on the weights the pass would
 have used: the loss gets ``old_log_prob = log_prob.detach()`` (what the legacy actor does
@@ -18,41 +18,32 @@ noise, so the ratio is exactly 1 here and ``1 +- 1e-7`` there.
   dropping rows it is over the kept rows: ``actor/entropy/kept_rows``, and no ``actor/entropy``.
   The update reports ``grpo_patches/old_log_probs_substituted`` in verl's metrics: the trainer
   stops the run when an update after a skipped pass does not (:mod:`.skip_guarantee`).
-* ``forward_step`` (wrapped): collects each micro-batch's entropies.
+* ``FSDPEngineWithLMHead.forward_step`` (wrapped; on the Megatron engine its
+  ``forward_backward_batch``: :mod:`.old_logprobs_megatron`): collects each micro-batch's entropies.
 * ``get_policy_loss_fn`` (``verl.workers.utils.losses``' binding): ``old_log_prob`` is the
   detached ``log_prob``.
+
+The update's :class:`~.state.OnPolicyUpdate` is ``UpdateCall.on_policy`` (:mod:`.state`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from grpo_patches.call_args import bind
+
 from . import metrics as verl_metrics
-from . import placeholder, verify_old_logprobs
+from . import placeholders, state, verify_old_logprobs
+from .calls_engine import CONFIG_ATTRIBUTE, actor_config_of, loss_call_data
 from .skip_guarantee import SUBSTITUTED
-
-_UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_engine_on_policy", default=None)
-
-
-@dataclass
-class OnPolicyUpdate:
-    entropy: list = field(default_factory=list)  # (entropy [b, R], mask [b, R]) per micro-batch
-    rows_seen: int = 0
-    forced_entropy: bool = False
-
-
-def active() -> OnPolicyUpdate | None:
-    return _UPDATE.get()
 
 
 def train_mini_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``TrainingWorker.train_mini_batch(data)``."""
-    data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or "old_log_probs" not in data.keys() \
-            or not placeholder.present(data["old_log_probs"]):
+    data = bind(wrapped, args, kwargs)["data"] if instance is not None else None
+    if data is None or "old_log_probs" not in data.keys() \
+            or not placeholders.present(data["old_log_probs"]):
         return wrapped(*args, **kwargs)
     from verl.utils import tensordict_utils as tu
 
@@ -61,22 +52,19 @@ def train_mini_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     num_mini = tu.get_non_tensor_data(data=data, key="num_mini_batch", default=None)
     epochs = int(tu.get_non_tensor_data(data=data, key="epochs", default=1))
     per_rank = mini // instance.engine.get_data_parallel_size() if mini is not None else rows // max(int(num_mini), 1)
-    complete = placeholder.fills(data["old_log_probs"])
+    complete = placeholders.fills(data["old_log_probs"])
     if not complete or -(-rows // max(per_rank, 1)) != 1 or epochs != 1:
-        raise placeholder.PlaceholderError(
+        raise placeholders.PlaceholderError(
             f"grpo_patches: the old-logprob pass was skipped but this update is not on-policy ({rows} rows on this rank, "
             f"{per_rank} per mini-batch, {epochs} epochs, old log-probs all placeholder: {complete}); nothing was "
-            f"trained. Please report this and {placeholder.FIX}"
+            f"trained. Please report this and {placeholders.FIX}"
         )
-    update = OnPolicyUpdate()
+    update = state.OnPolicyUpdate()
     if not tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False):
         tu.assign_non_tensor(data, calculate_entropy=True)  # the entropies the skipped pass would have given
         update.forced_entropy = True
-    token = _UPDATE.set(update)
-    try:
+    with state.in_update(on_policy=update):
         output = wrapped(*args, **kwargs)
-    finally:
-        _UPDATE.reset(token)
     if output is not None:
         metrics = tu.get(output, "metrics")
         if update.forced_entropy:
@@ -88,41 +76,46 @@ def train_mini_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
 
 
 def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``FSDPEngineWithLMHead.forward_step``: keep each training micro-batch's entropies."""
-    update = _UPDATE.get()
-    micro = args[0] if args else kwargs["micro_batch"]
-    loss_function = args[1] if len(args) > 1 else kwargs.get("loss_function")
-    forward_only = args[2] if len(args) > 2 else kwargs.get("forward_only", False)
-    if update is None or forward_only or loss_function is None:
+    """wrapt wrapper of ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)``:
+    keep each training micro-batch's entropies."""
+    return collecting_entropies(wrapped, args, kwargs)
+
+
+def collecting_entropies(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``wrapped`` (``loss_function``, ``forward_only`` among its parameters) with a loss function that
+    keeps each training micro-batch's entropies for ``actor/entropy`` (and, on a verify step, hands the
+    loss the pass's old log-probs of that micro-batch)."""
+    update = state.update().on_policy
+    if update is None:
         return wrapped(*args, **kwargs)
-    from .engine_calls import CONFIG_ATTRIBUTE, actor_config_of
+    call = bind(wrapped, args, kwargs)
+    loss_function = call["loss_function"]
+    if call["forward_only"] or loss_function is None:
+        return wrapped(*args, **kwargs)
 
     def collecting(*a: Any, **kw: Any) -> Any:
         from verl.workers.utils.padding import no_padding_2_padding
 
         model_output = kw["model_output"] if "model_output" in kw else a[0]
-        data = kw["data"] if "data" in kw else a[1]
+        data = loss_call_data(a, kw)
         entropy = model_output.get("entropy")
         if entropy is not None:
             mask = data.select("response_mask").to_padded_tensor()["response_mask"]
             update.entropy.append((no_padding_2_padding(entropy, data).detach().float(), mask))
             update.rows_seen += int(mask.shape[0])
-        expected = verify_old_logprobs.expect(data)  # a verify step: the pass's values, for _on_policy_loss
-        try:
+        with state.in_micro_batch(pass_old_log_probs=verify_old_logprobs.expected(data)):  # for _on_policy_loss
             return loss_function(*a, **kw)
-        finally:
-            verify_old_logprobs.forget(expected)
 
     config = actor_config_of(loss_function)
     if config is not None:
         setattr(collecting, CONFIG_ATTRIBUTE, config)
-    return wrapped(micro, collecting, forward_only)
+    return call.call(wrapped, loss_function=collecting)
 
 
 def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``get_policy_loss_fn`` as ``ppo_loss`` calls it: old := detached current log-probs."""
     fn = wrapped(*args, **kwargs)
-    if _UPDATE.get() is None:
+    if state.update().on_policy is None:
         return fn
     return functools.partial(_on_policy_loss, fn)
 
@@ -133,7 +126,7 @@ def _on_policy_loss(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def _log_entropy(metrics: dict, worker: Any, update: OnPolicyUpdate, rows: int) -> None:
+def _log_entropy(metrics: dict, worker: Any, update: state.OnPolicyUpdate, rows: int) -> None:
     """``actor/entropy`` as the trainer computes it from the pass: ``agg_loss`` over every row of every rank."""
     import torch
     import torch.distributed as dist

@@ -5,42 +5,39 @@ The 0.7 legacy actor ignores old log-probs on an on-policy update (one mini-batc
 proof and a metric:
 
 * ``update_policy`` (wrapped): on old log-probs that are all placeholder
-  (:mod:`.placeholder`), checks that verl's own on-policy condition holds (or raises), logs
+  (:mod:`.placeholders`), checks that verl's own on-policy condition holds (or raises), logs
   ``actor/entropy`` — which the trainer computes from the skipped pass — from the training
   forward's own logits (same weights: on-policy), aggregated over the whole batch exactly as
   the trainer does, so the logged value stays verl's (not a placeholder), and reports the
   substitution the trainer checks (:mod:`.skip_guarantee`). With the zero-advantage filter
   dropping rows the entropy is over the kept rows: ``actor/entropy/kept_rows``, and
   ``actor/entropy`` is NaN (not computed).
-* ``_forward_micro_batch`` (wrapped): asks the training forward for its entropies.
+* ``_forward_micro_batch`` (wrapped): asks the training forward for its entropies, kept in
+  ``UpdateCall.on_policy`` (:mod:`.state`).
 """
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any, Callable
 
-from . import metrics as verl_metrics
-from . import placeholder
-from .skip_guarantee import SUBSTITUTED
+from grpo_patches.call_args import bind
 
-_ENTROPY: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_entropy", default=None)
+from . import metrics as verl_metrics
+from . import placeholders, state
+from .skip_guarantee import SUBSTITUTED
 
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the legacy ``update_policy``: check the on-policy promise, log the real entropy."""
-    data = placeholder.skipped_pass_batch(args, kwargs) if instance is not None else None
+    data = placeholders.skipped_pass_batch(bind(wrapped, args, kwargs)["data"]) if instance is not None else None
     if data is None:
         return wrapped(*args, **kwargs)
     config = instance.config
-    placeholder.require_on_policy(data, config)
-    captured: list = []
-    token = _ENTROPY.set(captured)
-    try:
+    placeholders.require_on_policy(data, config)
+    update = state.OnPolicyUpdate()
+    with state.in_update(on_policy=update):
         out = wrapped(*args, **kwargs)
-    finally:
-        _ENTROPY.reset(token)
-    _log_entropy(out, config, data, captured)
+    _log_entropy(out, config, data, update)
     out[SUBSTITUTED] = 1.0  # verl's own on-policy path used the current log-probs: the trainer checks this
     verl_metrics.report(None, old_logprob_substituted_updates=1)
     return out
@@ -48,33 +45,30 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
 
 def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``_forward_micro_batch``: also compute the entropy of the training forward."""
-    captured = _ENTROPY.get()
-    if captured is None:
+    update = state.update().on_policy
+    if update is None:
         return wrapped(*args, **kwargs)
-    micro = args[0] if args else kwargs["micro_batch"]
-    if len(args) > 2:
-        args = (*args[:2], True, *args[3:])
-    else:
-        kwargs = {**kwargs, "calculate_entropy": True}
-    out = wrapped(*args, **kwargs)
+    call = bind(wrapped, args, kwargs)
+    micro = call["micro_batch"]
+    out = call.call(wrapped, calculate_entropy=True)
     entropy = out["entropys"] if isinstance(out, dict) else out[0]
-    rows = micro["advantages"].shape[0]
-    captured.append((entropy.detach(), micro["response_mask"], rows))
+    update.entropy.append((entropy.detach(), micro["response_mask"]))
+    update.rows_seen += micro["advantages"].shape[0]
     return out
 
 
-def _log_entropy(out: dict, config: Any, data: Any, captured: list) -> None:
+def _log_entropy(out: dict, config: Any, data: Any, update: state.OnPolicyUpdate) -> None:
     """``actor/entropy`` over the whole batch (all DP ranks), as the trainer aggregates it."""
     import torch
     import torch.distributed as dist
     from verl.trainer.ppo.core_algos import agg_loss
 
     out.pop("actor/entropy", None)  # the per-micro-batch entropy a calculate_entropy config logs stays verl's below
-    if not captured:
+    if not update.entropy:
         return
-    entropy = torch.cat([e for e, _, _ in captured])
-    mask = torch.cat([m for _, m, _ in captured])
-    complete = sum(r for _, _, r in captured) == len(data)
+    entropy = torch.cat([e for e, _ in update.entropy])
+    mask = torch.cat([m for _, m in update.entropy])
+    complete = update.rows_seen == len(data)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         entropy, mask = verl_metrics.gather_rows(entropy), verl_metrics.gather_rows(mask)
         flags = torch.tensor([int(complete)])

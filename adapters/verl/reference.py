@@ -16,18 +16,24 @@ reference log-probs:
 * ``apply_kl_penalty`` (in-reward KL, fixed controller at 0): the penalty is computed against
   the old log-probs themselves (a KL of exactly 0, times 0); ``actor/reward_kl_penalty`` is not
   logged. In-reward KL always keeps the old-logprob pass (:mod:`.old_logprobs`); should a skipped
-  pass's placeholder ever get here, it raises (:class:`~.placeholder.PlaceholderError`).
+  pass's placeholder ever get here, it raises (:class:`~.placeholders.PlaceholderError`).
+
+verl's Megatron workers (the engine's ``forward_backward_batch``, the legacy worker's ``update_actor``):
+:mod:`.reference_megatron`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 
+from . import FRAMEWORK
 from . import metrics as verl_metrics
+from .calls_engine import actor_config_of
 from .config_value import config_value
-from .megatron_stages import on_every_stage
+from .placeholders import FIX, PlaceholderError, present
 
 #: Legacy ``update_policy`` / engine ``ppo_loss`` metrics of the KL loss (not logged at coefficient 0).
 KL_METRICS = ("actor/kl_loss", "actor/kl_coef", "kl_loss", "kl_coef")
@@ -49,28 +55,28 @@ def kl_coefficients(config: Any) -> dict[str, float] | None:
 
 def skip_reference(config: Any) -> bool:
     """The ``grpo_skip_reference_pass`` hook's answer for a trainer config (noted in status)."""
-    options = api.active_options("verl")
-    if options is None or not options.logprob_skip:
+    if not FRAMEWORK.on("logprob_skip"):
         return False
     coefficients = kl_coefficients(config)
     if coefficients is None:
-        api.note("verl", "reference_pass", "runs: algorithm.kl_ctrl.type is adaptive (the coefficient changes)")
+        FRAMEWORK.note("reference_pass", "runs: algorithm.kl_ctrl.type is adaptive (the coefficient changes)")
         return False
     if not coefficients:
         return False  # verl needs no reference model anyway
     from grpo_patches.plugins import hook
 
-    decision = hook().grpo_skip_reference_pass(framework="verl", kl_coefficients=coefficients, kl_metrics_requested=False)
+    decision = hook().grpo_skip_reference_pass(framework=FRAMEWORK.name, kl_coefficients=coefficients,
+                                               kl_metrics_requested=False)
     if decision is None:
         return False
-    api.note("verl", "reference_pass", f"{'skipped, no reference model' if decision.skip else 'runs'}: {decision.reason}")
+    FRAMEWORK.note("reference_pass", f"{'skipped, no reference model' if decision.skip else 'runs'}: {decision.reason}")
     return decision.skip
 
 
 def need_reference_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``need_reference_policy(config)`` (0.7+; every module's binding)."""
     needed = wrapped(*args, **kwargs)
-    config = args[0] if args else kwargs.get("config")
+    config = bind(wrapped, args, kwargs)["config"]
     if needed and config is not None and skip_reference(config):
         return False
     return needed
@@ -80,7 +86,7 @@ def add_ref_policy_worker(wrapped: Callable[..., Any], instance: Any, args: tupl
     """wrapt wrapper of 0.6's ``TaskRunner.add_ref_policy_worker(config, cls)``: 0.6 decides the
     reference model from the role mapping this fills, so the role is taken out again."""
     out = wrapped(*args, **kwargs)
-    config = args[0] if args else kwargs.get("config")
+    config = bind(wrapped, args, kwargs)["config"]
     if instance is not None and config is not None and skip_reference(config):
         from verl.trainer.ppo.utils import Role
 
@@ -110,32 +116,37 @@ def without_kl_loss(config: Any) -> Any:
     return clone
 
 
-def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the legacy ``DataParallelPPOActor.update_policy(data)``: without reference
-    log-probs (KL coefficient 0), the update runs with the KL loss off."""
-    data = args[0] if args else kwargs.get("data")
-    if instance is None or data is None or not zero_coefficient(instance.config) or "ref_log_prob" in data.batch.keys():
+def legacy_update_without_kl_loss(wrapped: Callable[..., Any], actor: Any, args: tuple, kwargs: dict,
+                                  metrics: Callable[[Any], dict]) -> Any:
+    """A legacy update (``actor``'s, whose ``config`` verl reads during it) without reference log-probs at
+    KL coefficient 0: run with the KL loss off, its KL metrics (``metrics(output)``) removed, the saving reported."""
+    data = bind(wrapped, args, kwargs)["data"] if actor is not None else None
+    if data is None or not zero_coefficient(actor.config) or "ref_log_prob" in data.batch.keys():
         return wrapped(*args, **kwargs)
-    config = instance.config
-    instance.config = without_kl_loss(config)  # verl reads self.config.use_kl_loss inside update_policy
+    config = actor.config
+    actor.config = without_kl_loss(config)  # verl reads self.config.use_kl_loss inside the update
     try:
-        out = wrapped(*args, **kwargs)
+        output = wrapped(*args, **kwargs)
     finally:
-        instance.config = config
+        actor.config = config
+    logged = metrics(output)
     for name in KL_METRICS:
-        out.pop(name, None)
-    verl_metrics.report(out, reference_passes_skipped=1)
-    return out
+        logged.pop(name, None)
+    verl_metrics.report(logged, reference_passes_skipped=1)
+    return output
+
+
+def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of the legacy ``DataParallelPPOActor.update_policy(data) -> metrics``: without reference
+    log-probs (KL coefficient 0), the update runs with the KL loss off."""
+    return legacy_update_without_kl_loss(wrapped, instance, args, kwargs, lambda metrics: metrics)
 
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of the engine's ``FSDPEngine.forward_backward_batch``: without reference
     log-probs (KL coefficient 0), verl's ``ppo_loss`` runs with the KL loss off."""
-    import functools
-
-    from .engine_calls import actor_config_of, forward_backward_arguments
-
-    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    call = bind(wrapped, args, kwargs)
+    data, loss_function, forward_only = call["data"], call["loss_function"], call["forward_only"]
     config = actor_config_of(loss_function)
     if forward_only or config is None or not zero_coefficient(config) or "ref_log_prob" in data.keys() \
             or not isinstance(loss_function, functools.partial):
@@ -156,12 +167,10 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
 
 def apply_kl_penalty(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``apply_kl_penalty(data, kl_ctrl, ...)``: in-reward KL at a fixed 0."""
-    data = args[0] if args else kwargs["data"]
-    kl_ctrl = args[1] if len(args) > 1 else kwargs["kl_ctrl"]
+    call = bind(wrapped, args, kwargs)
+    data, kl_ctrl = call["data"], call["kl_ctrl"]
     if "ref_log_prob" in data.batch.keys() or float(kl_ctrl.value) != 0.0:
         return wrapped(*args, **kwargs)
-    from .placeholder import FIX, PlaceholderError, present
-
     if present(data.batch["old_log_probs"]):
         raise PlaceholderError("grpo_patches: the in-reward KL penalty would read a skipped old-logprob pass's "
                                f"placeholder (algorithm.use_kl_in_reward should have kept the pass); please report "
@@ -173,30 +182,3 @@ def apply_kl_penalty(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
         data.batch.pop("ref_log_prob")
     kl_metrics.pop("actor/reward_kl_penalty", None)  # a KL against the old log-probs themselves
     return data, kl_metrics
-
-
-def megatron_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: :func:`forward_backward_batch` on every
-    pipeline stage (the stages before the last return ``{}``)."""
-    return on_every_stage(forward_backward_batch, wrapped, instance, args, kwargs)
-
-
-def megatron_update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the legacy Megatron ``ActorRolloutRefWorker.update_actor(data)``: without reference
-    log-probs (KL coefficient 0), ``MegatronPPOActor`` selects its keys and computes its loss with the KL
-    loss off (it reads ``self.config.use_kl_loss`` in both)."""
-    data = args[0] if args else kwargs.get("data")
-    actor = getattr(instance, "actor", None)
-    if actor is None or data is None or not zero_coefficient(actor.config) or "ref_log_prob" in data.batch.keys():
-        return wrapped(*args, **kwargs)
-    config = actor.config
-    actor.config = without_kl_loss(config)
-    try:
-        output = wrapped(*args, **kwargs)
-    finally:
-        actor.config = config
-    metrics = output.meta_info["metrics"]
-    for name in KL_METRICS:
-        metrics.pop(name, None)
-    verl_metrics.report(metrics, reference_passes_skipped=1)
-    return output

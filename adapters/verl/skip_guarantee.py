@@ -3,7 +3,7 @@
 The trainer (the driver, or verl's ``TaskRunner`` actor) and the processes that update the
 actor (Ray workers) are patched separately: ``GRPO_PATCHES=verl`` reaches a worker only through
 its environment, and a worker may run with other options or without grpo_patches. A skipped
-pass leaves a placeholder (:mod:`.placeholder`) that only a patched worker replaces, so:
+pass leaves a placeholder (:mod:`.placeholders`) that only a patched worker replaces, so:
 
 1. :func:`workers_substitute` (once per trainer): the pass is skipped only when every process
    that runs the actor's update has the verl adapter on with ``logprob_skip`` and every
@@ -11,10 +11,11 @@ pass leaves a placeholder (:mod:`.placeholder`) that only a patched worker repla
    through Ray's ``__ray_call__`` (the function runs in the worker process); a worker group
    without Ray actors (an in-process stand-in) runs its actor here, so this process is asked.
    Anything else (no answer, an older Ray): the pass runs, with the reason in ``status()``.
-2. :func:`expect_substitution` / the ``_update_actor`` wrappers: the update that follows a
+2. :func:`expect_substitution` / :func:`confirm` (the trainers' ``_update_actor`` wrappers,
+   :func:`.old_logprobs.update_actor`, :func:`.old_logprobs_v1.update_actor`): the update that follows a
    skipped pass must report ``grpo_patches/old_log_probs_substituted`` in verl's metrics (the
    worker's substitution says so); if it does not, the run stops with
-   :class:`~.placeholder.PlaceholderError`. A worker without grpo_patches gets a NaN loss from
+   :class:`~.placeholders.PlaceholderError`. A worker without grpo_patches gets a NaN loss from
    the placeholder, and verl skips that optimizer step (non-finite grad norm): nothing was
    trained on it, and the run stops here.
 3. The same wrappers adopt the options verify mode switched off in the workers
@@ -24,12 +25,10 @@ pass leaves a placeholder (:mod:`.placeholder`) that only a patched worker repla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo_patches import instance_state
-
-from .placeholder import FIX, PlaceholderError
+from . import FRAMEWORK, state
+from .placeholders import FIX, PlaceholderError
 from .verify import adopt_switch_offs
 
 #: The metric the worker's substitution reports (verl's trainer may prefix it with ``actor/``).
@@ -41,29 +40,6 @@ WORKER_MODULES = ("verl.workers.actor.dp_actor", "verl.workers.engine.fsdp.trans
                   "verl.workers.engine_workers", "verl.workers.utils.losses")
 #: The legacy Megatron worker's (0.7.x: :mod:`.old_logprobs_megatron_legacy`).
 MEGATRON_WORKER_MODULES = ("verl.workers.actor.megatron_actor", "verl.workers.megatron_workers")
-_UNKNOWN = object()
-
-
-@dataclass
-class TrainerState:
-    """What the verl adapter remembers about one trainer.
-
-    :ivar workers: ``None`` once every actor-update process was seen to substitute, else why
-        not (``_UNKNOWN`` before the first probe).
-    :ivar pending: the last old-logprob pass was skipped (``"pass"``) or ran on some rows only
-        (``"rows"``); the next actor update must confirm.
-    :ivar rows_workers: like ``workers``, for the minimal pass's row substitution (``recompute``).
-    :ivar deferred: the minimal pass deferred until the update (:mod:`.old_logprob_rows`).
-    """
-
-    workers: Any = _UNKNOWN
-    pending: str | bool = False
-    rows_workers: Any = _UNKNOWN  # the same for the minimal pass's row substitution (option recompute)
-    deferred: Any = None  # the minimal pass deferred to the update (:mod:`.old_logprob_rows`)
-
-
-def trainer_state(trainer: Any) -> TrainerState:
-    return instance_state.state_of(trainer, "verl", TrainerState)
 
 
 def worker_ready(option: str = "logprob_skip") -> str | None:
@@ -71,7 +47,7 @@ def worker_ready(option: str = "logprob_skip") -> str | None:
     (the whole pass's with ``logprob_skip``, skipped rows' with ``recompute``), else why not."""
     import grpo_patches
 
-    verl = grpo_patches.status()["verl"]
+    verl = grpo_patches.status()[FRAMEWORK.name]
     where = verl["process"]
     options = verl.get("options")
     if not verl.get("patched") or options is None:
@@ -102,16 +78,16 @@ def _probe_rows(actor: Any) -> str | None:
 
 def workers_substitute(trainer: Any) -> str | None:
     """``None`` when every process that updates ``trainer``'s actor substitutes, else why not (cached)."""
-    own = trainer_state(trainer)
-    if own.workers is _UNKNOWN:
+    own = state.trainer(trainer)
+    if own.workers is state.NOT_ASKED:
         own.workers = _ask(getattr(trainer, "actor_rollout_wg", None), _probe)
     return own.workers
 
 
 def workers_substitute_rows(trainer: Any) -> str | None:
     """:func:`workers_substitute` for skipped rows (the minimal pass, option ``recompute``; cached)."""
-    own = trainer_state(trainer)
-    if own.rows_workers is _UNKNOWN:
+    own = state.trainer(trainer)
+    if own.rows_workers is state.NOT_ASKED:
         own.rows_workers = _ask(getattr(trainer, "actor_rollout_wg", None), _probe_rows)
     return own.rows_workers
 
@@ -133,7 +109,7 @@ def _ask(group: Any, probe: Callable[[Any], str | None] = _probe) -> str | None:
 def expect_substitution(trainer: Any, what: str = "pass") -> None:
     """The next actor update must confirm the substitution: of a skipped ``"pass"`` (counted as
     ``old_logprob_passes_skipped``) or of skipped ``"rows"`` (the minimal pass counts its own)."""
-    trainer_state(trainer).pending = what
+    state.trainer(trainer).pending = what
 
 
 def _confirmed(metrics: dict) -> bool:
@@ -145,7 +121,20 @@ def _confirmed(metrics: dict) -> bool:
     return False
 
 
-def _check(expected: bool, metrics: dict) -> None:
+def take_expected(trainer: Any) -> str | bool:
+    """What the next actor update of ``trainer`` must confirm (:func:`expect_substitution`), taken off it."""
+    own = state.trainer(trainer)
+    expected, own.pending = own.pending, False
+    return expected
+
+
+def confirm(expected: str | bool, metrics: dict | None) -> None:
+    """After an actor update (its ``metrics`` as the trainer gets them): adopt verify mode's switch-offs
+    in the workers, stop the run if a substitution ``expected`` is not confirmed, count a skipped pass.
+
+    :raises PlaceholderError: the update did not report the substitution.
+    """
+    adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
     if expected and not _confirmed(metrics):
         raise PlaceholderError(
             "grpo_patches: the trainer skipped the old-logprob pass, but the actor update did not report "
@@ -153,33 +142,5 @@ def _check(expected: bool, metrics: dict) -> None:
             "patched the way the trainer is. verl skipped that optimizer step (its loss was NaN). Run every "
             f"Ray worker with GRPO_PATCHES=verl and the same options, or {FIX}"
         )
-
-
-def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the legacy trainer's ``RayPPOTrainer._update_actor(batch) -> DataProto``."""
-    if instance is None:
-        return wrapped(*args, **kwargs)
-    own = trainer_state(instance)
-    expected, own.pending = own.pending, False
-    output = wrapped(*args, **kwargs)
-    metrics = getattr(output, "meta_info", {}).get("metrics", {})
-    adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
-    _check(expected, metrics)
-    if expected == "pass":  # the saving, in verl's own metrics (the trainer logs its update's)
+    if expected == "pass" and metrics is not None:  # the saving, in verl's own metrics (the trainer logs them)
         metrics[SKIPPED] = 1.0
-    return output
-
-
-def update_actor_v1(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the V1 trainer's ``PPOTrainer._update_actor(batch, metrics)`` (fills ``metrics``)."""
-    if instance is None:
-        return wrapped(*args, **kwargs)
-    own = trainer_state(instance)
-    expected, own.pending = own.pending, False
-    metrics = args[1] if len(args) > 1 else kwargs.get("metrics")
-    output = wrapped(*args, **kwargs)
-    adopt_switch_offs(metrics)  # verify mode's "disable" in the workers reaches the trainer here
-    _check(expected, metrics)
-    if expected == "pass" and metrics is not None:
-        metrics[SKIPPED] = 1.0
-    return output

@@ -8,11 +8,12 @@ the lm-head weight is the unsharded one verl itself uses. This module answers th
 training micro-batch:
 
 1. the line's wrapper (:mod:`.tiled_legacy`: ``_forward_micro_batch``; :mod:`.tiled_engine`:
-   ``forward_step``) describes the micro-batch in a :class:`TiledCall` before the forward:
+   ``forward_step``) describes the micro-batch in a :class:`~.state.TiledCall` before the forward
+   (``MicroBatchCall.tiled``, :mod:`.state`):
    where each response token's hidden state sits in the model's layout (padded or packed),
    the per-token inputs of verl's policy loss, and each token's aggregation weight, taken as
    the gradient of verl's own ``agg_loss`` (any ``loss_agg_mode``, global counts included);
-2. :func:`fused_linear_forward` (wrapping ``FusedLinearForPPO.forward``) computes the loss
+2. :func:`forward` (wrapping ``FusedLinearForPPO.forward``) computes the loss
    from the response tokens' hidden states and the weight through the ``grpo_lm_head_loss``
    hook, tile by tile (never ``[tokens, vocab]`` logits, prompt tokens never projected), and
    returns detached log-probs / entropies in verl's layout;
@@ -31,32 +32,22 @@ for ``"auto"``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from grpo_patches import api
-from grpo_patches.refuse_or_note import refuse_or_note
+from grpo_patches.call_args import bind
 
-from . import state
+from . import FRAMEWORK, state
 from .loss_modes import loss_mode_of
+from .state import TiledCall
 
-FRAMEWORK = "verl"
 #: The policy loss the tiled loss reproduces (verl's vanilla PPO loss is dual-clip).
 LOSS_MODES = ("vanilla",)
 #: verl clamps the log-ratio before exp in the vanilla loss (core_algos.compute_policy_loss_vanilla).
 LOG_RATIO_CLAMP = 20.0
-_CALL: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_call", default=None)
-
-
-def _options():
-    return api.active_options(FRAMEWORK)
 
 
 def enabled() -> bool:
-    options = _options()
-    return options is not None and options.tiled_loss is not False
+    return FRAMEWORK.on("tiled_loss")
 
 
 def decide(owner: Any, problems: list[str]) -> bool:
@@ -70,18 +61,18 @@ def decide(owner: Any, problems: list[str]) -> bool:
         return own.tiled
     on = enabled()
     if on and problems:
-        on = refuse_or_note(FRAMEWORK, "tiled_loss", f"it cannot reproduce verl's loss with {'; '.join(problems)}",
-                            owner=owner)
+        on = FRAMEWORK.refuse_or_note("tiled_loss", f"it cannot reproduce verl's loss with {'; '.join(problems)}",
+                                      owner=owner)
     elif on:
-        api.note(FRAMEWORK, "tiled_loss", "on: the policy loss comes from the last hidden state and the lm-head "
-                 "weight, tile by tile (no [tokens, vocab] logits)", owner=owner)
+        FRAMEWORK.note("tiled_loss", "on: the policy loss comes from the last hidden state and the lm-head "
+                       "weight, tile by tile (no [tokens, vocab] logits)", owner=owner)
     own.tiled, own.tiled_decided = on, True
     return on
 
 
 def decline(owner: Any, why: str, scope: str = "an update") -> None:
     """This ``scope`` runs verl's own path: an error for ``tiled_loss=True``, a status note for ``"auto"``."""
-    refuse_or_note(FRAMEWORK, "tiled_loss", f"{scope} runs verl's own loss: {why}", owner=owner)
+    FRAMEWORK.refuse_or_note("tiled_loss", f"{scope} runs verl's own loss: {why}", owner=owner)
 
 
 def config_problems(config: Any, *, fused: bool, backend: str | None, sp: int) -> list[str]:
@@ -134,65 +125,16 @@ def token_weights(mask: Any, loss_agg_mode: str, info: dict) -> Any:
     return torch.nan_to_num(weights.detach(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-@dataclass
-class TiledCall:
-    """One training micro-batch's tiled loss: what it needs before the forward, what it produced.
-
-    ``inputs()`` returns verl's ``[B, R]`` loss inputs at forward time (``advantages``,
-    ``response_mask``, ``old_log_probs`` or ``None`` on-policy, ``rollout_is_weights``,
-    ``ref_log_prob``): read then, so that a wrapper that adjusts them before the forward (the
-    zero-advantage filter's per-row weights) is seen. ``positions(shape)`` maps each response
-    token to its index in the flattened hidden states of that shape. ``rows``: the rows of the
-    micro-batch verl's loss sees that this forward holds (``None``: all).
-    """
-
-    owner: Any
-    config: Any
-    inputs: Callable[[], dict]
-    positions: Callable[[tuple], Any]
-    weights: Any  # [B_loss, R] fp32: each token's weight in verl's agg_loss
-    loss_agg_mode: str
-    info: dict  # the global counts verl's agg_loss gets (engine)
-    calculate_entropy: bool
-    responses: Any = None  # [B, R] labels to check against the rolled input ids (None: skip)
-    rows: Any = None
-    loss: Any = None  # the tiled loss (with its gradient), set by the forward
-    used: dict = field(default_factory=dict)  # the [B, R] inputs the tiled loss used (detached)
-    logps: Any = None  # [B, R] detached log-probs handed to verl
-    declined: str | None = None  # why the forward did not compute the tiled loss
-
-
-def current() -> TiledCall | None:
-    return _CALL.get()
-
-
-@contextlib.contextmanager
-def active(call: TiledCall | None, after: Callable[[TiledCall], None] | None = None) -> Iterator[TiledCall | None]:
-    """``call`` is the training micro-batch's while the block runs (the forward, or the loss the schedule calls
-    after it; ``None``: no tiled loss in the block); ``after(call)``, when given, runs once it is reset, whatever
-    the block did (e.g. counting the micro-batch if its loss was the tiled one)."""
-    token = _CALL.set(call)
-    try:
-        yield call
-    finally:
-        _CALL.reset(token)
-        if after is not None and call is not None:
-            after(call)
-
-
-def _bind_fused(hidden_states, vocab_weights, input_ids, temperature=1.0, *rest, **kw):
-    return hidden_states, vocab_weights, input_ids, temperature
-
-
-def fused_linear_forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``FusedLinearForPPO.forward(hidden_states, vocab_weights, input_ids, temperature)``."""
+def forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``FusedLinearForPPO.forward(hidden_states, vocab_weights, input_ids, temperature)``:
+    the training micro-batch's tiled loss (``MicroBatchCall.tiled``)."""
     import torch
 
-    call = _CALL.get()
+    call = state.micro_batch().tiled
     if call is None or call.loss is not None or call.declined or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
-    hidden, weight, input_ids, temperature = _bind_fused(*args, **kwargs)
-    out = compute(call, hidden, weight, input_ids, float(temperature))
+    given = bind(wrapped, args, kwargs)
+    out = compute(call, given["hidden_states"], given["vocab_weights"], given["input_ids"], float(given["temperature"]))
     if out is None:
         return wrapped(*args, **kwargs)
     return out
@@ -206,7 +148,7 @@ def _loss_options(call: TiledCall, temperature: float) -> dict:
     options = dict(objective="clip", aggregation="token-sum", epsilon_low=low, epsilon_high=high,
                    delta=float(config.get("clip_ratio_c", 3.0)), log_ratio_clamp=LOG_RATIO_CLAMP,
                    temperature=temperature, return_logps=True, return_entropy=call.calculate_entropy)
-    tile = _options().tile_size
+    tile = FRAMEWORK.setting("tile_size")
     if tile is not None:
         options["tile_size"] = tile
     if call.calculate_entropy and float(config.entropy_coeff or 0.0) != 0.0:

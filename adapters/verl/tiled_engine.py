@@ -2,7 +2,7 @@
 
 ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)`` (wrapped)
 runs the model forward and then ``ppo_loss`` for one micro-batch, so the micro-batch's
-:class:`~.tiled.TiledCall` is active for both. The engine keeps ``input_ids`` nested
+:class:`~.state.TiledCall` is ``MicroBatchCall.tiled`` for both. The engine keeps ``input_ids`` nested
 (``left_right_2_no_padding``) and slices each response out of the model's per-token output
 with ``no_padding_2_padding``; the call maps response tokens to hidden-state positions by
 calling that very function on the token indices (packed ``[1, nnz]`` layout, or the padded
@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import tiled
+from grpo_patches.call_args import bind
+
+from . import metrics as verl_metrics
+from . import state, tiled
+from .calls_engine import actor_config_of
 from .multimodal import has_multimodal_inputs
+from .zero_advantage_engine import batch_num_tokens_of
 
 #: ppo_loss's inputs, in the padded response layout it builds (``select(...).to_padded_tensor()``).
 _FIELDS = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob", "responses")
-
-
-def _bind(micro_batch: Any, loss_function: Any = None, forward_only: bool = False) -> tuple:
-    return micro_batch, loss_function, forward_only
-
 
 def problems(engine: Any, config: Any, micro: Any) -> list[str]:
     from verl.utils import tensordict_utils as tu
@@ -62,57 +62,52 @@ def packed_positions(micro: Any) -> Callable[[tuple], Any]:
 
 def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)``."""
-    from .engine_calls import actor_config_of
-
-    micro, loss_function, forward_only = _bind(*args, **kwargs)
-    config = actor_config_of(loss_function)
-    if instance is None or forward_only or config is None or not tiled.enabled():
+    call = bind(wrapped, args, kwargs)
+    micro, config = call["micro_batch"], actor_config_of(call["loss_function"])
+    if instance is None or call["forward_only"] or config is None or not tiled.enabled():
         return wrapped(*args, **kwargs)
     if not tiled.decide(instance, problems(instance, config, micro)):
         return wrapped(*args, **kwargs)
-    call = training_call(instance, config, micro)
-    if call is None:
+    tiled_call = training_call(instance, config, micro)
+    if tiled_call is None:
         return wrapped(*args, **kwargs)
-    with tiled.active(call, after=count):
-        return wrapped(*args, **kwargs)
+    with state.in_micro_batch(tiled=tiled_call):
+        out = wrapped(*args, **kwargs)
+    count(tiled_call)
+    return out
 
 
 def training_call(instance: Any, config: Any, micro: Any,
-                  positions: Callable[[tuple], Any] | None = None) -> tiled.TiledCall | None:
-    """The :class:`~.tiled.TiledCall` of one training micro-batch of the engine line (FSDP or Megatron:
+                  positions: Callable[[tuple], Any] | None = None) -> state.TiledCall | None:
+    """The :class:`~.state.TiledCall` of one training micro-batch of the engine line (FSDP or Megatron:
     the same ``ppo_loss`` on the same nested micro-batch); ``None``: verl's own loss (declined, noted).
     ``positions``: the engine's hidden-state layout, if not FSDP's (:func:`packed_positions`)."""
     from verl.utils import tensordict_utils as tu
 
-    from .filter_engine import batch_num_tokens_of
-    from .filter_engine_nograd import kept_rows_of
-    from .old_logprobs_engine import active as on_policy_update
-
     if has_multimodal_inputs(micro.get("multi_modal_inputs", None) if "multi_modal_inputs" in micro.keys() else None):
         tiled.decline(instance, "multimodal inputs (not tested with the tiled loss)")
         return None
-    full, rows = kept_rows_of(micro)  # dropped_rows_metrics: this forward holds some rows of ``full``
+    full, rows = state.micro_batch().subset or (micro, None)  # dropped_rows_metrics: some rows of ``full``
     padded_full = _padded_inputs(full)
     info = {"dp_size": full["dp_size"], "batch_num_tokens": batch_num_tokens_of(full),
             "global_batch_size": full["global_batch_size"], "loss_scale_factor": config.loss_scale_factor}
     mask_full = padded_full["response_mask"].to(bool)
     padded = _padded_inputs(micro)
+    on_policy = state.update().on_policy is not None  # the skipped pass: verl's loss gets the current log-probs
 
     def inputs() -> dict:
         return {"response_mask": padded["response_mask"], "advantages": padded["advantages"],
-                "old_log_probs": None if on_policy_update() is not None else padded["old_log_probs"],
+                "old_log_probs": None if on_policy else padded["old_log_probs"],
                 "rollout_is_weights": padded.get("rollout_is_weights"), "ref_log_prob": padded.get("ref_log_prob")}
 
-    return tiled.TiledCall(
+    return state.TiledCall(
         owner=instance, config=config, inputs=inputs, positions=positions or packed_positions(micro),
         weights=tiled.token_weights(mask_full, config.loss_agg_mode, info), loss_agg_mode=config.loss_agg_mode,
         info=info, calculate_entropy=bool(tu.get_non_tensor_data(data=micro, key="calculate_entropy", default=False)),
         responses=padded.get("responses"), rows=rows)
 
 
-def count(call: tiled.TiledCall) -> None:
+def count(call: state.TiledCall) -> None:
     """Count the micro-batch in status() and verl's metrics if its loss was the tiled one."""
     if call.loss is not None:
-        from . import metrics as verl_metrics
-
         verl_metrics.report(None, tiled_loss_micro_batches=1)

@@ -10,27 +10,19 @@
   ``(b, S - R - 1 + j)``, or at that position's index among the unpadded tokens
   (``use_remove_padding``: verl unpads by ``attention_mask``, row-major).
   ``dropped_rows_metrics=True``: the filter forwards the kept rows of a micro-batch with
-  autograd; the call then covers those rows of the micro-batch verl's loss sees.
+  autograd (``MicroBatchCall.subset``); the call then covers those rows of the micro-batch verl's
+  loss sees. verl calls its loss after the forward returned: the call waits in ``TiledUpdate.pending``.
 """
 
 from __future__ import annotations
 
-import contextvars
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from grpo_patches.call_args import bind
+
 from . import metrics as verl_metrics
-from . import tiled, tiled_policy_loss
+from . import state, tiled
 from .multimodal import has_multimodal_inputs
-
-_UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_update", default=None)
-
-
-@dataclass
-class Update:
-    actor: Any
-    on_policy: bool
-    calls: int = 0
 
 
 def _problems(actor: Any) -> list[str]:
@@ -48,26 +40,18 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         return wrapped(*args, **kwargs)
     if not tiled.decide(instance, _problems(instance)):
         return wrapped(*args, **kwargs)
-    data = args[0] if args else kwargs["data"]
+    data = bind(wrapped, args, kwargs)["data"]
     if has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
         tiled.decline(instance, "multimodal inputs (not tested with the tiled loss)")
         return wrapped(*args, **kwargs)
     config = instance.config
     mini_batches = -(-len(data) // config.ppo_mini_batch_size)
     on_policy = mini_batches == 1 and config.ppo_epochs == 1 and not config.get("use_rollout_log_probs", False)
-    update = Update(instance, on_policy)
-    token, slot = _UPDATE.set(update), tiled_policy_loss.open_slot()
-    try:
+    update = state.TiledUpdate(instance, on_policy)
+    with state.in_update(tiled=update):
         out = wrapped(*args, **kwargs)
-    finally:
-        tiled_policy_loss.close_slot(slot)
-        _UPDATE.reset(token)
     verl_metrics.report(out, tiled_loss_micro_batches=update.calls)
     return out
-
-
-def _bind(micro_batch: dict, temperature: float, calculate_entropy: bool = False, *rest: Any, **kw: Any) -> tuple:
-    return micro_batch, calculate_entropy
 
 
 def _positions(micro: dict) -> Callable[[tuple], Any]:
@@ -95,13 +79,12 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
     """wrapt wrapper of ``_forward_micro_batch(micro_batch, temperature, calculate_entropy)``."""
     import torch
 
-    update = _UPDATE.get()
+    update = state.update().tiled
     if update is None or update.actor is not instance or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
-    micro, calculate_entropy = _bind(*args, **kwargs)
-    from .filter_legacy_nograd import kept_rows_of
-
-    full, rows = kept_rows_of(micro)  # dropped_rows_metrics: this forward holds some rows of ``full``
+    call = bind(wrapped, args, kwargs)
+    micro = call["micro_batch"]
+    full, rows = state.micro_batch().subset or (micro, None)  # dropped_rows_metrics: some rows of ``full``
     config = instance.config
 
     def inputs() -> dict:
@@ -109,15 +92,15 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
                 "old_log_probs": None if update.on_policy else micro["old_log_probs"],
                 "rollout_is_weights": micro.get("rollout_is_weights"), "ref_log_prob": micro.get("ref_log_prob")}
 
-    call = tiled.TiledCall(
+    tiled_call = state.TiledCall(
         owner=instance, config=config, inputs=inputs, positions=_positions(micro),
         weights=tiled.token_weights(full["response_mask"], config.loss_agg_mode, tiled.global_batch_info(config)),
         loss_agg_mode=config.loss_agg_mode, info=tiled.global_batch_info(config),
-        calculate_entropy=bool(calculate_entropy), responses=micro["responses"], rows=rows)
-    with tiled.active(call):
+        calculate_entropy=bool(call["calculate_entropy"]), responses=micro["responses"], rows=rows)
+    with state.in_micro_batch(tiled=tiled_call):
         out = wrapped(*args, **kwargs)
-    tiled_policy_loss.leave(call)
-    update.calls += call.loss is not None
+    update.pending.append(tiled_call)  # for verl's loss, called after the forward returns
+    update.calls += tiled_call.loss is not None
     return out
 
 

@@ -11,9 +11,10 @@ that call:
 
 1. :func:`forward_step` (wrapping ``MegatronEngineWithLMHead.forward_step``, which Megatron's
    schedule calls per micro-batch) takes the micro-batch from the iterator, describes it in a
-   :class:`~.tiled.TiledCall` (:func:`.tiled_engine.training_call`: the same ``ppo_loss`` on the
-   same nested micro-batch as the FSDP engine) and keeps it active for the forward and for the
-   loss function the schedule calls afterwards (the returned ``postprocess_micro_batch_func``);
+   :class:`~.state.TiledCall` (:func:`.tiled_engine.training_call`: the same ``ppo_loss`` on the
+   same nested micro-batch as the FSDP engine) and keeps it as ``MicroBatchCall.tiled`` for the
+   forward and for the loss function the schedule calls afterwards (the returned
+   ``postprocess_micro_batch_func``);
 2. :func:`linear_cross_entropy` computes the loss tile by tile from the response tokens' hidden
    states (packed position = nested index: no per-sequence padding with TP = CP = 1) and returns
    detached log-probs / entropies in the kernel's ``[tokens]`` layout;
@@ -29,8 +30,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from . import tiled
-from .engine_calls import actor_config_of, forward_backward_arguments
+from grpo_patches.call_args import bind
+
+from . import state, tiled, tiled_engine
+from .calls_engine import actor_config_of
 
 
 def problems(engine: Any, config: Any) -> list[str]:
@@ -65,57 +68,45 @@ def problems(engine: Any, config: Any) -> list[str]:
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: decides (once per engine) before the
     schedule runs, so that ``tiled_loss=True`` refuses before any micro-batch."""
-    _, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
-    config = actor_config_of(loss_function)
-    if instance is not None and not forward_only and config is not None and tiled.enabled():
+    call = bind(wrapped, args, kwargs)
+    config = actor_config_of(call["loss_function"])
+    if instance is not None and not call["forward_only"] and config is not None and tiled.enabled():
         tiled.decide(instance, problems(instance, config))  # refuse-or-note
     return wrapped(*args, **kwargs)
-
-
-def _bind_step(batch_iter: Any, model: Any, logits_processor_func: Any = None,
-               postprocess_micro_batch_func: Any = None) -> tuple:
-    return batch_iter, logits_processor_func, postprocess_micro_batch_func
 
 
 def forward_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngineWithLMHead.forward_step(batch_iter, model, logits_processor_func,
     postprocess_micro_batch_func)``: one training micro-batch through the tiled loss."""
-    from . import tiled_engine
-
-    batch_iter, loss_function, postprocess = _bind_step(*args, **kwargs)
-    config = actor_config_of(loss_function)
+    call = bind(wrapped, args, kwargs)
+    config = actor_config_of(call["logits_processor_func"])  # verl's forward_backward_batch passes its loss here
+    postprocess = call["postprocess_micro_batch_func"]
     forward_only = (getattr(postprocess, "keywords", None) or {}).get("forward_only", True)
     if instance is None or forward_only or config is None or not tiled.enabled():
         return wrapped(*args, **kwargs)
     if not tiled.decide(instance, problems(instance, config)):
         return wrapped(*args, **kwargs)
-    micro = next(batch_iter)
-    if args:
-        args = (iter([micro]),) + tuple(args[1:])
-    else:
-        kwargs = {**kwargs, "batch_iter": iter([micro])}
-    call = tiled_engine.training_call(instance, config, micro, positions=_positions(micro))
-    if call is None:
-        return wrapped(*args, **kwargs)
-    with tiled.active(call):
-        output, post = wrapped(*args, **kwargs)
-    return output, functools.partial(_loss_with_call, call, post)
+    micro = next(call["batch_iter"])
+    tiled_call = tiled_engine.training_call(instance, config, micro, positions=_positions(micro))
+    if tiled_call is None:
+        return call.call(wrapped, batch_iter=iter([micro]))
+    with state.in_micro_batch(tiled=tiled_call):
+        output, post = call.call(wrapped, batch_iter=iter([micro]))
+    return output, functools.partial(_loss_with_call, tiled_call, post)
 
 
-def _loss_with_call(call: tiled.TiledCall, post: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """The schedule's loss call (``postprocess_micro_batch_func``, last stage) with the micro-batch's call active."""
-    from .tiled_engine import count
-
-    with tiled.active(call, after=count):
-        return post(*args, **kwargs)
+def _loss_with_call(tiled_call: state.TiledCall, post: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The schedule's loss call (``postprocess_micro_batch_func``, last stage) with the micro-batch's call running."""
+    with state.in_micro_batch(tiled=tiled_call):
+        out = post(*args, **kwargs)
+    tiled_engine.count(tiled_call)
+    return out
 
 
 def _positions(micro: Any) -> Callable[[tuple], Any]:
     """Each response token's index in Megatron's ``[tokens, 1]`` packed hidden states: the packed
     (``[1, tokens]``) layout of the FSDP engine, transposed (TP = CP = 1: no per-sequence padding)."""
-    from .tiled_engine import packed_positions
-
-    packed = packed_positions(micro)
+    packed = tiled_engine.packed_positions(micro)
 
     def positions(shape: tuple) -> Any:
         if len(shape) == 2 and shape[1] == 1:
@@ -125,20 +116,17 @@ def _positions(micro: Any) -> Callable[[tuple], Any]:
     return positions
 
 
-def _bind_kernel(hidden: Any, weight: Any, labels: Any, temperature: float = 1.0, reduction: str = "none",
-                 dist_process_group: Any = None) -> tuple:
-    return hidden, weight, labels, temperature, reduction, dist_process_group
-
-
 def linear_cross_entropy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, tp_group)`` as
-    bound in ``verl.models.mcore.model_forward_fused``: the active training micro-batch's tiled loss."""
+    bound in ``verl.models.mcore.model_forward_fused``: the running training micro-batch's tiled loss."""
     import torch
 
-    call = tiled.current()
+    call = state.micro_batch().tiled
     if call is None or call.loss is not None or call.declined or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
-    hidden, weight, labels, temperature, reduction, group = _bind_kernel(*args, **kwargs)
+    given = _kernel_arguments(wrapped, args, kwargs)
+    hidden, weight, labels = given["hidden"], given["weight"], given["labels"]
+    temperature, reduction, group = given["temperature"], given["reduction"], given["dist_process_group"]
     if reduction != "none" or (group is not None and torch.distributed.get_world_size(group) > 1):
         call.declined = "the fused kernel was called with a vocabulary split over ranks or a reduction"
         return wrapped(*args, **kwargs)
@@ -147,3 +135,11 @@ def linear_cross_entropy(wrapped: Callable[..., Any], instance: Any, args: tuple
         return wrapped(*args, **kwargs)
     log_probs, entropy = out
     return log_probs.reshape(-1), entropy.reshape(-1)  # the kernel's layout: one value per packed token
+
+
+def _kernel_arguments(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The kernel call's arguments by name: ``linear_cross_entropy`` is ``LinearCrossEntropy.apply`` (an
+    autograd function, ``apply(*args)``), whose ``forward(ctx, hidden, weight, labels, temperature,
+    reduction, dist_process_group)`` names them."""
+    forward = getattr(getattr(wrapped, "__self__", None), "forward", None)
+    return bind(wrapped, args, kwargs) if forward is None else bind(forward, (None, *args), kwargs)

@@ -12,8 +12,9 @@ closure) is verl's ``agg_loss`` over the micro-batch alone, as the legacy ``dp_a
   micro-batch) and counts the micro-batches the tiled loss answered;
 * ``get_forward_backward_func`` (``megatron_actor``'s binding, wrapped; inert outside such an update):
   the schedule it returns gets a training ``forward_step_func`` that describes each micro-batch in a
-  :class:`~.tiled.TiledCall` (the positions of the legacy FSDP actor's padded layout, read from the
-  packed one) and keeps it active for the forward and for the loss function the schedule calls after it;
+  :class:`~.state.TiledCall` (the positions of the legacy FSDP actor's padded layout, read from the
+  packed one) and keeps it as ``MicroBatchCall.tiled`` for the forward and for the loss function the
+  schedule calls after it;
 * :mod:`.tiled_policy_loss` (the ``get_policy_loss_fn`` binding of ``megatron_actor``) hands verl's loss
   the tiled gradient with verl's value.
 
@@ -26,25 +27,13 @@ without fused kernels; the fused forward packs as on 0.7 (``preprocess_packed_se
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import types
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import metrics as verl_metrics
-from . import tiled, tiled_megatron
-
-_UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_megatron_legacy", default=None)
-
-
-@dataclass
-class Update:
-    actor: Any
-    calls: int = 0  # the micro-batches whose loss was the tiled one
-
-    def count(self, call: tiled.TiledCall) -> None:
-        self.calls += call.loss is not None
+from . import state, tiled, tiled_megatron
+from .tiled_legacy import response_positions
 
 
 class _Settings:
@@ -95,12 +84,9 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         return wrapped(*args, **kwargs)
     if not tiled.decide(instance, problems(instance)):  # refuse-or-note, before any micro-batch
         return wrapped(*args, **kwargs)
-    update = Update(instance)
-    token = _UPDATE.set(update)
-    try:
+    update = state.TiledUpdate(instance)
+    with state.in_update(tiled=update):
         out = wrapped(*args, **kwargs)
-    finally:
-        _UPDATE.reset(token)
     verl_metrics.report(out if isinstance(out, dict) else None, tiled_loss_micro_batches=update.calls)
     return out
 
@@ -108,13 +94,13 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
 def get_forward_backward_func(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``get_forward_backward_func()`` as bound in ``megatron_actor``."""
     schedule = wrapped(*args, **kwargs)
-    update = _UPDATE.get()
+    update = state.update().tiled
     if update is None:
         return schedule
     return functools.partial(_schedule, schedule, update)
 
 
-def _schedule(schedule: Callable[..., Any], update: Update, *args: Any, **kwargs: Any) -> Any:
+def _schedule(schedule: Callable[..., Any], update: state.TiledUpdate, *args: Any, **kwargs: Any) -> Any:
     """Megatron's schedule, called by verl with keywords only; training: each micro-batch through the tiled loss."""
     step = kwargs.get("forward_step_func")
     if step is not None and not kwargs.get("forward_only", False):
@@ -122,35 +108,35 @@ def _schedule(schedule: Callable[..., Any], update: Update, *args: Any, **kwargs
     return schedule(*args, **kwargs)
 
 
-def _forward_step(update: Update, step: Callable[..., Any], batch_iter: Any, model: Any, *args: Any,
+def _forward_step(update: state.TiledUpdate, step: Callable[..., Any], batch_iter: Any, model: Any, *args: Any,
                   **kwargs: Any) -> Any:
-    """verl's ``forward_step(batch_iter, model)`` with the micro-batch's call active; its loss function too."""
+    """verl's ``forward_step(batch_iter, model)`` with the micro-batch's call running; its loss function too."""
     micro = next(batch_iter)
     call = _call(update.actor, micro)
-    with tiled.active(call):
+    with state.in_micro_batch(tiled=call):
         output, loss = step(iter([micro]), model, *args, **kwargs)
     if call is None:
         return output, loss
     return output, functools.partial(_loss_with_call, update, call, loss)
 
 
-def _loss_with_call(update: Update, call: tiled.TiledCall, loss: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with tiled.active(call, after=update.count):
-        return loss(*args, **kwargs)
+def _loss_with_call(update: state.TiledUpdate, call: state.TiledCall, loss: Callable[..., Any], *args: Any,
+                    **kwargs: Any) -> Any:
+    with state.in_micro_batch(tiled=call):
+        out = loss(*args, **kwargs)
+    update.calls += call.loss is not None
+    return out
 
 
-def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:
+def _call(actor: Any, micro: Any) -> state.TiledCall | None:
     """One training micro-batch (verl's ``TensorDict``, padded ``[B, S]`` rows) of the legacy Megatron actor."""
-    from .old_logprobs_megatron_legacy import substituting
-    from .tiled_legacy import response_positions
-
     if "multi_modal_inputs" in micro.keys():
         tiled.decline(actor, "multimodal inputs (not tested with the tiled loss)")
         return None
     config = actor.config
     info = tiled.global_batch_info(config)
     mask = micro["response_mask"].to(bool)  # as verl's loss_func
-    substituted = substituting()  # the old-logprob skip: verl's loss gets the detached current log-probs
+    substituted = state.update().on_policy is not None  # the old-logprob skip: verl's loss gets the current ones
 
     def inputs() -> dict:
         return {"response_mask": mask, "advantages": micro["advantages"],
@@ -158,7 +144,7 @@ def _call(actor: Any, micro: Any) -> tiled.TiledCall | None:
                 "rollout_is_weights": micro.get("rollout_is_weights", None),
                 "ref_log_prob": micro.get("ref_log_prob", None)}
 
-    return tiled.TiledCall(
+    return state.TiledCall(
         owner=actor, config=config, inputs=inputs, positions=_positions(response_positions(micro)),
         weights=tiled.token_weights(mask, config.loss_agg_mode, info), loss_agg_mode=config.loss_agg_mode,
         info=info, calculate_entropy=bool(config.entropy_coeff != 0),  # update_policy's rule

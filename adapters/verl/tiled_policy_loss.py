@@ -11,11 +11,10 @@ compute the tiled loss keeps verl's own loss (refused for ``tiled_loss=True``).
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Any, Callable
 
-from . import tiled
+from . import state, tiled
 
 
 def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -27,37 +26,19 @@ def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, 
     return functools.partial(_tiled_policy_loss, fn, call)
 
 
-#: Where the line's wrapper leaves the micro-batch's call for the policy loss (legacy: after
-#: ``_forward_micro_batch`` returned; engine: inside ``forward_step``).
-_PENDING: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_tiled_pending", default=None)
+def pending() -> state.TiledCall | None:
+    """The micro-batch's call the policy loss is for: the legacy actor's last forward's (its loss runs
+    after the forward returned: ``TiledUpdate.pending``), else the one running (``MicroBatchCall.tiled``)."""
+    update = state.update().tiled
+    if update is not None and update.pending:
+        return update.pending[-1]
+    return state.micro_batch().tiled
 
 
-def pending() -> tiled.TiledCall | None:
-    slot = _PENDING.get()
-    if slot is not None and slot:
-        return slot[-1]
-    return tiled.current()
-
-
-def open_slot() -> contextvars.Token:
-    """A slot for the calls of one update (legacy: the loss runs after the forward returns)."""
-    return _PENDING.set([])
-
-
-def leave(call: tiled.TiledCall) -> None:
-    slot = _PENDING.get()
-    if slot is not None:
-        slot.append(call)
-
-
-def close_slot(token: contextvars.Token) -> None:
-    _PENDING.reset(token)
-
-
-def _tiled_policy_loss(fn: Callable[..., Any], call: tiled.TiledCall, *args: Any, **kwargs: Any) -> Any:
-    slot = _PENDING.get()
-    if slot is not None and slot and slot[-1] is call:
-        slot.pop()
+def _tiled_policy_loss(fn: Callable[..., Any], call: state.TiledCall, *args: Any, **kwargs: Any) -> Any:
+    update = state.update().tiled
+    if update is not None and update.pending and update.pending[-1] is call:
+        update.pending.pop()
     pg_loss, metrics = fn(*args, **kwargs)
     if call.loss is None:  # verl's own forward ran (with its gradient): nothing to replace
         tiled.decline(call.owner, call.declined or "verl's forward did not call FusedLinearForPPO", "a micro-batch")
@@ -70,7 +51,7 @@ def _tiled_policy_loss(fn: Callable[..., Any], call: tiled.TiledCall, *args: Any
     return call.loss - call.loss.detach() + pg_loss.detach() + through_output, metrics
 
 
-def _check_inputs(call: tiled.TiledCall, got: dict) -> None:
+def _check_inputs(call: state.TiledCall, got: dict) -> None:
     """verl's policy loss must see exactly what the tiled loss used (else its internals moved)."""
     import torch
 

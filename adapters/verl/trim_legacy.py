@@ -2,7 +2,7 @@
 
 Without remove-padding (``use_remove_padding=False``), verl 0.6.1-0.7.x hands every micro-batch
 the rollout's full width ``S = P + R``: prompts left-padded to ``P`` columns, responses
-right-padded to ``R``. Once the filter (:mod:`.filter_legacy`, ``"pack"``) has packed the kept
+right-padded to ``R``. Once the filter (:mod:`.zero_advantage_legacy`, ``"pack"``) has packed the kept
 rows, the training forward (``_forward_micro_batch``) runs them on the columns some row of the
 micro-batch uses (:func:`grpo_patches.padding_columns.used_span` of ``attention_mask``, and
 ``response_mask`` on the response columns), exactly:
@@ -32,7 +32,7 @@ runs it on a row subset through the worker group, outside any update this module
 would need a worker-side record of its own, and its log-probs at padding columns go back to the
 trainer).
 
-The engine line (0.8.0-0.9.x, :mod:`.filter_engine`) needs no trim: its micro-batches are nested
+The engine line (0.8.0-0.9.x, :mod:`.zero_advantage_engine`) needs no trim: its micro-batches are nested
 (jagged) tensors, one row each of exactly its own tokens; without remove-padding the FSDP engine
 pads each micro-batch to its own longest row (``torch.nested.to_padded_tensor`` in
 ``prepare_model_inputs``, right padding only, ``pad_mode`` is always ``no_padding``), so the
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_patches.call_args import CallArgs
 from grpo_patches.padding_columns import Columns, used_span
 
 #: the tensors of a legacy micro-batch that ``_forward_micro_batch`` reads per column
@@ -106,20 +107,17 @@ def widen(values: Any, cut: Columns, fill: Any = None) -> Any:
     return torch.cat([values, rest], dim=1)
 
 
-def forward(wrapped: Any, micro: dict, args: tuple, kwargs: dict) -> tuple[Any, int]:
-    """``_forward_micro_batch`` of ``micro`` on its used columns, outputs widened back to verl's width.
+def forward(wrapped: Any, call: CallArgs) -> tuple[Any, int]:
+    """``_forward_micro_batch`` (``call``: its arguments) on the micro-batch's used columns, outputs
+    widened back to verl's width.
 
     :returns: verl's outputs and the token positions not computed (rows x columns cut).
     """
+    micro = call["micro_batch"]
     cut = columns(micro)
     if not cut.any:
-        return wrapped(*args, **kwargs), 0
-    small = trimmed(micro, cut)
-    if args:
-        args = (small, *args[1:])
-    else:
-        kwargs = {**kwargs, "micro_batch": small}
-    out = wrapped(*args, **kwargs)
+        return call.call(wrapped), 0
+    out = call.call(wrapped, micro_batch=trimmed(micro, cut))
     old = micro.get("old_log_probs")
     if isinstance(out, dict):  # 0.7: {"log_probs", "entropys", ...}
         out = {k: widen(v, cut, old if k == "log_probs" else None) for k, v in out.items()}

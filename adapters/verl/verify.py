@@ -4,14 +4,15 @@ verl's update hides its micro-batch loop (legacy ``update_policy``; the engine's
 ``forward_backward_batch``), and the zero-advantage filter changes which micro-batches there
 are, so verl is verified one optimizer step at a time: on a verify step the mini-batch's
 gradient is computed patched and, from the same random state, weights and inputs, by verl
-with every record passing through (:mod:`.bypass`); each lands in ``.grad`` through verl's own
+with every record passing through (``FRAMEWORK.unpatched()``); each lands in ``.grad`` through verl's own
 backward (loss scaling, FSDP's reduce-scatter), is taken out, and the chosen one is put back,
 so ``.grad`` ends as the chosen computation alone leaves it. A skipped old-logprob pass really
 runs (forward only, eval mode, before the update) and is compared with the log-probs the loss
 used; the skipped reference pass is checked as the loss with and without its KL term. Each
 line's step: :mod:`.verify_engine` (0.8+: per ``forward_backward_batch``, one optimizer step),
 :mod:`.verify_legacy` (``DataParallelPPOActor``, 0.6.1-0.7.x: the whole ``update_policy`` run
-both ways, compared before each of its optimizer steps).
+both ways, compared before each of its optimizer steps). What each run watches is
+``UpdateCall.verify`` (:class:`~.state.VerifyCapture`). The Megatron actors: :mod:`.verify_megatron`.
 
 **How a switch-off reaches the trainer.** ``verify_action="disable"`` switches options off in
 the worker process that found the difference (every data-parallel rank agrees: one
@@ -30,9 +31,8 @@ from typing import Any, Iterable, MutableMapping, Sequence
 from grpo_patches import api
 from grpo_patches import verify as core
 
-from . import state
+from . import FRAMEWORK, state
 
-FRAMEWORK = "verl"
 #: The metric a worker adds for each option verification switched off (the trainer adopts it).
 SWITCHED_OFF = core.METRIC_PREFIX + "switched_off/"
 
@@ -88,7 +88,7 @@ def adopt_switch_offs(metrics: MutableMapping[str, Any] | None) -> list[str]:
             continue
         option = name.split(SWITCHED_OFF, 1)[1]
         if option in api.OPTIMIZATIONS:
-            api.switch_off(FRAMEWORK, option, "switched off by verification in the actor's workers (their "
+            FRAMEWORK.switch_off(option, "switched off by verification in the actor's workers (their "
                            f"{core.METRIC_PREFIX}* metrics say why); the trainer stops skipping too")
             adopted.append(option)
     return adopted

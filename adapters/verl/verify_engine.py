@@ -10,7 +10,7 @@ the steps :func:`grpo_patches.verify.due` picks runs :class:`EngineStep`:
    current ones) are compared with the pass where the loss reads them
    (:mod:`.verify_old_logprobs`): ``grpo_patches/verify/old_logprob_max_abs_diff``;
 3. verl's own computation, from the same random state, with every record passing through
-   (:mod:`.bypass`) on the inputs unpatched verl has: the pass's old log-probs, the entropies
+   (``FRAMEWORK.unpatched()``) on the inputs unpatched verl has: the pass's old log-probs, the entropies
    only if verl asked for them, and, when the reference pass was skipped (KL coefficient 0),
    the KL term with the old log-probs standing in for the reference log-probs (the reference
    model was never built; the term is multiplied by 0, so any finite values prove the point).
@@ -28,8 +28,9 @@ per mini-batch, as verl logs its own). ``"raise"`` raises before the optimizer s
 metrics: :mod:`.verify`). The skipped reference pass cannot come back within a run (no
 reference model was built): a difference there raises with either action.
 
-The Megatron engine is not verified: ``verify_every`` with it raises at its first update
-(:func:`megatron_forward_backward_batch`).
+The patched run's loss calls report the old log-probs they used into ``UpdateCall.verify``
+(:class:`~.state.VerifyCapture`, :mod:`.verify_old_logprobs`). The Megatron engine is not
+verified: ``verify_every`` with it raises at its first update (:mod:`.verify_megatron`).
 """
 
 from __future__ import annotations
@@ -38,42 +39,27 @@ import functools
 from typing import Any, Callable
 
 from grpo_patches import verify as core
+from grpo_patches.call_args import bind
 from grpo_patches.errors import ExactnessError
-from grpo_patches.refuse_or_note import refuse_or_note
 from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, totals
 
-from . import bypass, placeholder
+from . import FRAMEWORK, placeholders, state
 from . import verify as shared
-from .verify_old_logprobs import PASS_FIELD, collecting
-from .engine_calls import actor_config_of, forward_backward_arguments
-
-FRAMEWORK = shared.FRAMEWORK
+from .calls_engine import actor_config_of
+from .verify_old_logprobs import PASS_FIELD
 
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``FSDPEngine.forward_backward_batch(data, loss_function, forward_only)``."""
-    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    call = bind(wrapped, args, kwargs)
+    data, loss_function = call["data"], call["loss_function"]
     config = actor_config_of(loss_function)
-    if instance is None or forward_only or config is None or bypass.active() or "advantages" not in data.keys():
+    if instance is None or call["forward_only"] or config is None or "advantages" not in data.keys():
         return wrapped(*args, **kwargs)
     step = shared.next_step(instance)
-    if not core.due(FRAMEWORK, step):
+    if not FRAMEWORK.verify_due(step):
         return wrapped(*args, **kwargs)
     return EngineStep(wrapped, instance, data, loss_function, config, step).run()
-
-
-#: Why verify mode stays off on verl's Megatron engines (the legacy ``MegatronPPOActor`` too).
-MEGATRON_WHY = "verify mode does not cover verl's Megatron actors yet: no check would run on their updates"
-
-
-def megatron_forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of ``MegatronEngine.forward_backward_batch``: verify mode does not cover it (yet):
-    an error at the first update (``verify_every`` set), a note with ``enable("all")``."""
-    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
-    if instance is None or forward_only or actor_config_of(loss_function) is None or bypass.active():
-        return wrapped(*args, **kwargs)
-    refuse_or_note(FRAMEWORK, "verify_every", MEGATRON_WHY, owner=instance)
-    return wrapped(*args, **kwargs)
 
 
 def compute_dtype(engine: Any) -> Any:
@@ -96,25 +82,27 @@ class EngineStep:
         self.params = list(engine.module.parameters())
         self.group = engine.get_data_parallel_group()
         self.dtype = compute_dtype(engine)
-        from .old_logprobs_engine import active
         from .reference import zero_coefficient
 
-        self.on_policy = active()  # the worker substitutes a skipped pass on this update
+        self.on_policy = state.update().on_policy  # the worker substitutes a skipped pass on this update
         self.substituted = self.on_policy is not None and "old_log_probs" in data.keys() \
-            and placeholder.present(data["old_log_probs"])
+            and placeholders.present(data["old_log_probs"])
         self.reference_skipped = zero_coefficient(config) and "ref_log_prob" not in data.keys()
         self.figures: dict[str, float] = {}
 
     def run(self) -> Any:
         from verl.utils import tensordict_utils as tu
 
-        start_rng, start_grads, start_totals = core.rng_state(), shared.copies(shared.grads(self.params)), totals(FRAMEWORK)
+        start_rng, start_grads = core.rng_state(), shared.copies(shared.grads(self.params))
+        start_totals = totals(FRAMEWORK.name)
         old = self.old_logprob_pass() if self.substituted else None
         patched_data = self.data.copy()
         if old is not None:
             patched_data[PASS_FIELD] = old
-        with collecting() as diffs:
+        capture = state.VerifyCapture(self.engine)
+        with state.in_update(verify=capture):
             out_p = self.wrapped(patched_data, self.loss_function, False)
+        diffs = capture.old_logprob_diffs
         names = shared.optimizations_on(self.engine)
         if not (names or self.substituted or self.reference_skipped):
             return out_p  # nothing changed work on this step: nothing to compare
@@ -131,11 +119,11 @@ class EngineStep:
         if self.reference_skipped:
             upstream["ref_log_prob"] = upstream["old_log_probs"]
             loss_function = self._loss_with_and_without_kl(without_kl)
-        with bypass.unpatched():
+        with FRAMEWORK.unpatched():
             out_u = self.wrapped(upstream, loss_function, False)
         grads_u, rng_u = shared.grads(self.params), core.rng_state()
         floor = self._noise_floor(upstream, grads_u, start_grads, start_rng) \
-            if core.needs_noise_floor(FRAMEWORK, self.dtype) else None
+            if core.needs_noise_floor(FRAMEWORK.name, self.dtype) else None
 
         verdicts = []  # (verdict, the options it covers)
         if self.substituted:
@@ -146,7 +134,7 @@ class EngineStep:
             verdict, _ = self._check(["logprob_skip"], "reference_loss_abs_diff", max(without_kl, default=0.0),
                                      "verl's loss with the KL term at coefficient 0 against without it")
             if not verdict.ok:
-                raise ExactnessError(FRAMEWORK, ("logprob_skip",), self.step, "reference_loss_abs_diff",
+                raise ExactnessError(FRAMEWORK.name, ("logprob_skip",), self.step, "reference_loss_abs_diff",
                                      verdict.measured, verdict.tolerance,
                                      "the reference model was not built and cannot come back within this run: "
                                      "restart with logprob_skip=False")
@@ -160,8 +148,8 @@ class EngineStep:
             return self._finish(out_p, [])
         shared.set_grads(self.params, grads_u)  # "disable": verl's own result, from here on verl's own run
         core.set_rng_state(rng_u)
-        reset_totals(FRAMEWORK)
-        add_to_totals(FRAMEWORK, start_totals)
+        reset_totals(FRAMEWORK.name)
+        add_to_totals(FRAMEWORK.name, start_totals)
         shared.forget_decisions(self.engine)
         return self._finish(out_u, sorted({n for v, names in verdicts if not v.ok for n in names}))
 
@@ -176,7 +164,7 @@ class EngineStep:
         shared.set_grads(self.params, shared.copies(start_grads))
         core.set_rng_state(start_rng)
         loss_function = self._loss_with_and_without_kl([]) if self.reference_skipped else self.loss_function
-        with bypass.unpatched():
+        with FRAMEWORK.unpatched():
             self.wrapped(again, loss_function, False)
         floor = core.noise_floor(shared.grads(self.params), grads_u, self.group)
         self.figures[core.NOISE_METRIC] = floor
@@ -184,8 +172,8 @@ class EngineStep:
 
     def _check(self, names: list[str], quantity: str, measured: float, detail: str,
                floor: float | None = None) -> tuple:
-        limit = core.tolerance(FRAMEWORK, self.dtype, floor)
-        verdict = core.check(FRAMEWORK, names, self.step, quantity, measured, limit, group=self.group, detail=detail)
+        limit = core.tolerance(FRAMEWORK.name, self.dtype, floor)
+        verdict = core.check(FRAMEWORK.name, names, self.step, quantity, measured, limit, group=self.group, detail=detail)
         self.figures.update(verdict.metrics)
         return verdict, names
 
@@ -206,7 +194,7 @@ class EngineStep:
         tu.assign_non_tensor(data, calculate_entropy=False)
         module = self.engine.module
         training = module.training
-        with core.preserved_rng(), torch.no_grad(), bypass.unpatched():
+        with core.preserved_rng(), torch.no_grad(), FRAMEWORK.unpatched():
             module.eval()
             try:
                 out = self.engine.forward_backward_batch(data, None, forward_only=True)
@@ -237,11 +225,3 @@ class EngineStep:
             return loss, metrics
 
         return both
-
-
-def megatron_update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of the legacy ``MegatronPPOActor.update_policy`` (0.6.1-0.7.x): as
-    :func:`megatron_forward_backward_batch`."""
-    if instance is not None and not bypass.active():
-        refuse_or_note(FRAMEWORK, "verify_every", MEGATRON_WHY, owner=instance)
-    return wrapped(*args, **kwargs)

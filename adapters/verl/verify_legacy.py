@@ -5,7 +5,7 @@ steps inside it, so a verify step is the whole update run twice (records on ``up
 outermost, and ``_optimizer_step``, option ``verify_every``), when any of its optimizer steps
 is due (:func:`grpo_patches.verify.due`, steps counted 0-based per actor):
 
-1. verl's own update first, every record passing through (:mod:`.bypass`), on the inputs
+1. verl's own update first, every record passing through (``FRAMEWORK.unpatched()``), on the inputs
    unpatched verl has (a skipped reference pass: the old log-probs stand in for the reference
    log-probs under the KL term at coefficient 0); the gradient before each optimizer step is
    kept, and the state it ends in (weights, optimizer state, random state);
@@ -34,30 +34,20 @@ optimizer state (the unpatched end state is kept until the patched update has pa
 
 from __future__ import annotations
 
-import contextvars
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from grpo_patches import verify as core
+from grpo_patches.call_args import bind
 from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, totals
 
-from . import bypass
+from . import FRAMEWORK, state
 from . import verify as shared
-
-FRAMEWORK = shared.FRAMEWORK
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_verify_legacy", default=None)
 
 
 class _UseVerls(Exception):
     """The patched update stops: a check failed with ``verify_action="disable"``."""
-
-
-@dataclass
-class _Capture:
-    actor: Any
-    reference: list | None = None  # verl's gradients, one per optimizer step (compare against them)
-    grads: list = field(default_factory=list)  # the gradients seen (capturing verl's run)
 
 
 @dataclass
@@ -70,36 +60,34 @@ class _State:
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``DataParallelPPOActor.update_policy(data)``."""
-    if instance is None or instance.actor_optimizer is None or bypass.active() or _ACTIVE.get() is not None:
+    if instance is None or instance.actor_optimizer is None or state.update().verify is not None:
         return wrapped(*args, **kwargs)
-    data = args[0] if args else kwargs["data"]
+    data = bind(wrapped, args, kwargs)["data"]
     config = instance.config
     steps = -(-len(data) // config.ppo_mini_batch_size) * int(config.ppo_epochs)
     first = shared.next_step(instance)
-    shared.state.of(instance).optimizer_steps = first + steps
-    if not any(core.due(FRAMEWORK, s) for s in range(first, first + steps)):
+    state.of(instance).optimizer_steps = first + steps
+    if not any(FRAMEWORK.verify_due(s) for s in range(first, first + steps)):
         return wrapped(*args, **kwargs)
     return LegacyStep(wrapped, instance, data, args, kwargs, first).run()
 
 
 def optimizer_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``DataParallelPPOActor._optimizer_step()``: keep or compare the gradient."""
-    capture = _ACTIVE.get()
+    capture = state.update().verify
     if capture is None or capture.actor is not instance:
         return wrapped(*args, **kwargs)
     params = list(instance.actor_module.parameters())
-    if capture.reference is None:
+    if capture.compare is None:  # verl's run: keep its gradient
         capture.grads.append(shared.copies(shared.grads(params)))
-    else:
+    else:  # the patched run: compare with verl's of the same step
         capture.grads.append(None)
-        LegacyStep.current.compare(len(capture.grads) - 1, shared.grads(params))
+        capture.compare(len(capture.grads) - 1, shared.grads(params))
     return wrapped(*args, **kwargs)
 
 
 class LegacyStep:
     """One verified ``update_policy`` call (module docstring)."""
-
-    current: "LegacyStep"
 
     def __init__(self, wrapped: Callable[..., Any], actor: Any, data: Any, args: tuple, kwargs: dict,
                  first: int) -> None:
@@ -137,30 +125,22 @@ class LegacyStep:
         return data
 
     def run(self) -> Any:
-        start, start_totals = self._state(), totals(FRAMEWORK)
-        capture = _Capture(self.actor)
-        token = _ACTIVE.set(capture)
-        try:
-            with bypass.unpatched():
-                out_u = self.wrapped(self._verls_inputs())
-        finally:
-            _ACTIVE.reset(token)
-        self.reference = capture.grads
+        start, start_totals = self._state(), totals(FRAMEWORK.name)
+        verls = state.VerifyCapture(self.actor)
+        with state.in_update(verify=verls), FRAMEWORK.unpatched():
+            out_u = self.wrapped(self._verls_inputs())
+        self.reference = verls.grads
         end_u = self._state()
         self._restore(start)
-        LegacyStep.current = self
-        capture = _Capture(self.actor, reference=self.reference)
-        token = _ACTIVE.set(capture)
         try:
-            out_p = self.wrapped(*self.args, **self.kwargs)
+            with state.in_update(verify=state.VerifyCapture(self.actor, compare=self.compare)):
+                out_p = self.wrapped(*self.args, **self.kwargs)
         except _UseVerls:
             self._restore(end_u)
-            reset_totals(FRAMEWORK)
-            add_to_totals(FRAMEWORK, start_totals)
+            reset_totals(FRAMEWORK.name)
+            add_to_totals(FRAMEWORK.name, start_totals)
             shared.forget_decisions(self.actor)
             return self._finish(out_u, sorted(set(self.failed)))
-        finally:
-            _ACTIVE.reset(token)
         return self._finish(out_p, [])
 
     def names(self) -> list[str]:
@@ -169,8 +149,9 @@ class LegacyStep:
     def compare(self, index: int, grads: list) -> None:
         """The patched update's gradient before optimizer step ``index`` against verl's (every rank alike)."""
         names = self.names()
-        verdict = core.check(FRAMEWORK, names, self.first + index, "grad_rel_diff", core.rel_l2(grads, self.reference[index]),
-                             core.tolerance(FRAMEWORK, _dtype(self.actor)), group=self.group,
+        verdict = core.check(FRAMEWORK.name, names, self.first + index, "grad_rel_diff",
+                             core.rel_l2(grads, self.reference[index]),
+                             core.tolerance(FRAMEWORK.name, _dtype(self.actor)), group=self.group,
                              detail="the optimizer step's gradient against verl's unpatched update_policy")
         self.figures.append(verdict.measured)
         if not verdict.ok:

@@ -15,7 +15,9 @@ def installed() -> Any:
 
     from packaging.version import Version
 
-    return Version(metadata.version("verl"))
+    from . import ADAPTER
+
+    return Version(metadata.version(ADAPTER.distribution))
 
 
 def engine_skip_available() -> bool:

@@ -2,9 +2,11 @@
 
 :func:`tiled_grpo_loss` projects hidden states through the lm-head weight one tile of
 tokens at a time, computes the GRPO objective and its gradients for that tile, and keeps
-only one ``[tile, vocab]`` fp32 logits buffer alive. :func:`dense_grpo_loss` is the plain
-reference with the same signature. :func:`tiled_token_stats` is the no-grad tiled pass that
-returns per-token log-probs and entropies (e.g. for TRL's high-entropy token mask).
+only one fp32 logits buffer alive: ``[tile, vocab]`` on the torch path (CPU, fp64, no Triton),
+``[4096 tokens, vocabulary chunk]`` in the fused Triton fold on CUDA (:mod:`.fold`).
+:func:`dense_grpo_loss` is the plain reference with the same signature. :func:`tiled_token_stats`
+is the no-grad tiled pass that returns per-token log-probs and entropies (e.g. for TRL's
+high-entropy token mask), through the same fold on CUDA.
 """
 
 from __future__ import annotations
@@ -93,8 +95,10 @@ def tiled_grpo_loss(
         ``entropy_coef``, ``entropy_aggregation``, ``entropy_normalizer``, ``logit_scale``
         (multiplier of the raw logits, 1.0: Cohere's ``logit_scale``, Granite's
         ``1 / logits_scaling``), ``logit_softcap`` (Gemma-2's ``final_logit_softcapping``;
-        ``None``: off), ``tile_size``,
-        ``tile_memory_bytes`` (fp32 logits-tile budget, 512 MiB; the default tile is also capped at 512 tokens), ``return_logps``,
+        ``None``: off), ``tile_size`` (tokens per tile; default: from the budget, at most 512 on
+        the torch path, 4096 in the CUDA fold), ``tile_memory_bytes`` (fp32 logits-buffer budget,
+        512 MiB: the torch path's tile of tokens x the whole vocabulary, or the fold's vocabulary
+        chunk), ``return_logps``,
         ``return_entropy``, ``return_token_metrics``, ``retain_grads`` (keep the stored
         gradients so that backward may run more than once, e.g. gradcheck; costs a copy).
     :return: ``(loss, metrics)``: a scalar fp32 loss (fp64 for fp64 inputs) and detached

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_patches.tiled_loss.fold import Fold, fold_enabled, fold_tokens
 from grpo_patches.tiled_loss.gemm import LmHead, without_autocast
 from grpo_patches.tiled_loss.inputs import FlatBatch
 from grpo_patches.tiled_loss.objective import TokenInputs, token_objective
@@ -22,10 +23,12 @@ from grpo_patches.tiled_loss.options import LossOptions
 from grpo_patches.tiled_loss.tile_math import (
     GradBuffers,
     apply_tile_grads,
+    compact_rows_,
     compute_logits,
     explicit_logit_grad,
     fold_onehot_,
     label_chain,
+    rows_with_gradient,
     softmax_stats,
 )
 from grpo_patches.tiled_loss.tiling import choose_tile_size, tile_bounds
@@ -80,7 +83,8 @@ def run_tiles(
     selected = torch.nonzero(batch.mask != 0).flatten()
     n_sel = selected.numel()
     all_selected = n_sel == batch.mask.numel()
-    tile = choose_tile_size(n_sel, vocab, opts)
+    use_fold = fold_enabled(hidden.device, hidden.dtype)
+    tile = fold_tokens(n_sel, opts) if use_fold else choose_tile_size(n_sel, vocab, opts)
     rows_sel = batch.row[selected] if (opts.needs_whole_rows and batch.row is not None) else None
     bounds = tile_bounds(n_sel, tile, rows_sel)
     result.tile_size, result.n_tiles = tile, len(bounds)
@@ -98,15 +102,19 @@ def run_tiles(
         return loss
 
     max_rows = max(e - s for s, e in bounds)
-    logits_buf = torch.empty(max_rows, vocab, dtype=acc, device=hidden.device)
-    head = LmHead.for_inputs(weight, bias, acc)
-    rounds = grads is not None and head.rounds_logit_grad
-    lp_buf = torch.empty(max_rows, vocab, dtype=weight.dtype, device=hidden.device) if rounds else None
     entropy_grad = grads is not None and opts.entropy_coef != 0.0
-    softcap_grad = grads is not None and opts.logit_softcap is not None
-    # what the logits buffer must hold for the gradient: the softcap's tanh, log p for the
-    # entropy term, else p
-    leave = "any" if grads is None else "tanh" if softcap_grad else "log_probs" if entropy_grad else "probs"
+    if use_fold:
+        fold = Fold(weight, bias, opts, max_rows)
+    else:
+        fold = None
+        logits_buf = torch.empty(max_rows, vocab, dtype=acc, device=hidden.device)
+        head = LmHead.for_inputs(weight, bias, acc)
+        rounds = grads is not None and head.rounds_logit_grad
+        lp_buf = torch.empty(max_rows, vocab, dtype=weight.dtype, device=hidden.device) if rounds else None
+        softcap_grad = grads is not None and opts.logit_softcap is not None
+        # what the logits buffer must hold for the gradient: the softcap's tanh, log p for the
+        # entropy term, else p
+        leave = "any" if grads is None else "tanh" if softcap_grad else "log_probs" if entropy_grad else "probs"
 
     for start, end in bounds:
         n = end - start
@@ -114,9 +122,12 @@ def run_tiles(
         token_index = slice(start, end) if all_selected else idx
         h_tile = hidden[token_index]
         labels = batch.labels[idx]
-        z = logits_buf[:n]
-        compute_logits(z, h_tile, head, opts, keep_tanh=softcap_grad)
-        stats = softmax_stats(z, labels, opts.needs_entropy, opts, leave=leave)
+        if fold is not None:
+            stats = fold.stats(h_tile, labels, opts.needs_entropy)
+        else:
+            z = logits_buf[:n]
+            compute_logits(z, h_tile, head, opts, keep_tanh=softcap_grad)
+            stats = softmax_stats(z, labels, opts.needs_entropy, opts, leave=leave)
 
         inputs = _tile_inputs(batch, idx)
         with torch.enable_grad():
@@ -133,22 +144,40 @@ def run_tiles(
         loss += tile_loss.detach()
         _record(result, opts, idx, inputs.mask, stats, tstats)
 
-        if grads is not None:
-            g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
-            g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
+        if grads is None:
+            continue
+        g = tile_grads[0] if tile_grads[0] is not None else torch.zeros_like(stats.logps)
+        g_entropy = tile_grads[1] if len(tile_grads) > 1 else None
+        keep = rows_with_gradient(g, g_entropy)
+        if keep is not None and fold is not None and not fold.skip_pays(keep.numel(), n):
+            keep = None
+        if keep is not None:  # rows of exactly zero gradient leave the gradient GEMMs
+            if keep.numel() == 0:
+                continue
+            g, stats, h_tile, labels = g[keep], stats.rows(keep), h_tile[keep], labels[keep]
+            g_entropy = None if g_entropy is None else g_entropy[keep]
+            token_index = (torch.arange(start, end, device=hidden.device) if all_selected else token_index)[keep]
+        if fold is not None:
+            fold.apply_grads(grads, h_tile, labels, stats, g, g_entropy, token_index)
+            continue
+        if keep is not None:
+            z = compact_rows_(z, keep)
+        if entropy_grad or softcap_grad or rounds:
             onehot = g * label_chain(stats, opts)
-            if entropy_grad or softcap_grad or rounds:
-                explicit_logit_grad(z, stats, g, g_entropy, leave, opts)
-                row_scale = None
-            else:
-                row_scale = -g * opts.logit_chain
-            dense_lp = None
-            if rounds:
-                fold_onehot_(z, labels, onehot)
-                onehot = None
-                dense_lp = lp_buf[:n]
-                dense_lp.copy_(z)
-            apply_tile_grads(grads, head, z, dense_lp, row_scale, onehot, h_tile, labels, token_index)
+            explicit_logit_grad(z, stats, g, g_entropy, leave, opts)
+            row_scale = None
+        else:  # z holds p: dL/dr = -g s/T (p - onehot), the one-hot term folded into z, the scale on [n, H]
+            z.index_put_((torch.arange(z.shape[0], device=z.device), labels), torch.tensor(-1.0, dtype=z.dtype),
+                         accumulate=True)
+            onehot = None
+            row_scale = -g * opts.logit_chain
+        dense_lp = None
+        if rounds:
+            fold_onehot_(z, labels, onehot)
+            onehot = None
+            dense_lp = lp_buf[: z.shape[0]]
+            dense_lp.copy_(z)
+        apply_tile_grads(grads, head, z, dense_lp, row_scale, onehot, h_tile, labels, token_index)
     return loss
 
 

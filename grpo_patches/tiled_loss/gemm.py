@@ -43,19 +43,23 @@ def gemm_mode(dtype: torch.dtype, device: torch.device) -> str:
     return UPCAST
 
 
-def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` of low-precision operands, accumulated and returned in fp32.
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` accumulated and returned in fp32 (fp64 stays fp64): low-precision operands as they are.
 
     Off CUDA (tests) the same numbers come from upcast operands: bf16 products are exact in fp32.
     """
+    if a.dtype in (torch.float32, torch.float64):
+        return torch.mm(a, b, out=out)
     if a.device.type == "cuda":
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     return torch.mm(a.float(), b.float(), out=out)
 
 
-def _addmm_fp32_out_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
-    """``acc = beta * acc + a @ b`` for an fp32 ``acc`` and low-precision operands."""
-    if a.device.type == "cuda":
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
+    """``acc = beta * acc + a @ b`` for an fp32 (fp64) ``acc``; ``beta=0`` ignores what ``acc`` held."""
+    if a.dtype in (torch.float32, torch.float64):
+        acc.addmm_(a, b, beta=beta)
+    elif a.device.type == "cuda":
         torch.addmm(acc, a, b, out_dtype=torch.float32, beta=beta, out=acc)
     else:
         acc.addmm_(a.float(), b.float(), beta=beta)
@@ -94,7 +98,7 @@ class LmHead:
     def logits(self, out: torch.Tensor, hidden: torch.Tensor, alpha: float) -> None:
         """``out[:] = alpha * (hidden @ weight.T + bias)`` in ``out``'s dtype, never rounded to the input dtype."""
         if self.mode == FP32_OUT:
-            _mm_fp32_out(hidden, self.weight.t(), out=out)
+            mm_fp32(hidden, self.weight.t(), out=out)
             if self.bias_acc is not None:
                 out.add_(self.bias_acc)
             if alpha != 1.0:
@@ -110,7 +114,7 @@ class LmHead:
     def grad_hidden(self, dense: torch.Tensor, dense_lp: torch.Tensor | None) -> torch.Tensor:
         """``dense @ weight`` ([n, H], accumulation dtype); ``dense_lp``: its rounded copy (``fp32_out``)."""
         if dense_lp is not None:
-            return _mm_fp32_out(dense_lp, self.weight)
+            return mm_fp32(dense_lp, self.weight)
         out = None
         for sl, w in self.blocks():
             part = dense[:, sl] @ w
@@ -123,6 +127,6 @@ class LmHead:
         """``acc (+)= dense.T @ hidden`` (``first`` overwrites); ``hidden`` in the accumulation dtype,
         except with ``dense_lp`` where it is the input-dtype tile."""
         if dense_lp is not None:
-            _addmm_fp32_out_(acc, dense_lp.t(), hidden, beta=0 if first else 1)
+            addmm_fp32_(acc, dense_lp.t(), hidden, beta=0 if first else 1)
         else:
             acc.addmm_(dense.t(), hidden, beta=0 if first else 1)

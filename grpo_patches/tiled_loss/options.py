@@ -3,7 +3,7 @@
 The loss is ``objective`` (how one token's loss depends on its log-prob) combined with
 ``aggregation`` (how per-token losses become one number), in the core's own vocabulary; each
 adapter maps its framework's loss names onto them (TRL's ``loss_type`` names: the TRL
-adapter's ``loss_types.tiled_loss_preset``). The defaults, ``"clip"`` and ``"token-mean"``,
+adapter's ``loss_modes.tiled_loss_preset``). The defaults, ``"clip"`` and ``"token-mean"``,
 are the PPO-clip objective over the micro-batch's tokens.
 """
 
@@ -109,7 +109,7 @@ def resolve_options(**kwargs: Any) -> LossOptions:
     if "loss_type" in kwargs:
         raise OptionError(
             f"loss_type={kwargs['loss_type']!r} is not an option of the tiled loss: pass objective= and aggregation= "
-            "(TRL's loss_type names map onto them: grpo_patches.adapters.trl.loss_types.tiled_loss_preset)"
+            "(TRL's loss_type names map onto them: grpo_patches.adapters.trl.loss_modes.tiled_loss_preset)"
         )
     known = {f.name for f in fields(LossOptions)}
     unknown = sorted(set(kwargs) - known)

@@ -31,6 +31,32 @@ class TileStats:
     lse: torch.Tensor | None = None  # [n] log-sum-exp of each row's logits (softcap: the buffer keeps tanh)
     label_tanh: torch.Tensor | None = None  # [n] the softcap's tanh at each label (same case)
 
+    def rows(self, keep: torch.Tensor) -> "TileStats":
+        """The statistics of the rows ``keep``."""
+        return TileStats(*(None if v is None else v[keep] for v in (self.logps, self.entropy, self.lse,
+                                                                      self.label_tanh)))
+
+
+def rows_with_gradient(g: torch.Tensor, g_entropy: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows whose logits gradient is not exactly 0 (``None``: every row), e.g. tokens whose ratio
+    is clipped, masked by ``policy_token_mask`` or at advantage 0. The others leave the gradient GEMMs:
+    their rows of ``dL/dr`` are ``0 * (onehot - p)``, exactly 0."""
+    nonzero = g != 0 if g_entropy is None else (g != 0) | (g_entropy != 0)
+    keep = torch.nonzero(nonzero).flatten()
+    return None if keep.numel() == g.numel() else keep
+
+
+def compact_rows_(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Move rows ``keep`` (ascending) of ``z`` to its front in place; returns ``z[:len(keep)]``.
+
+    In place, with no copy of the tile: row ``keep[j] >= j`` is read before any later row is written.
+    """
+    moved = (keep != torch.arange(keep.numel(), device=keep.device)).nonzero()
+    if moved.numel():
+        for j in range(int(moved[0]), keep.numel()):
+            z[j].copy_(z[int(keep[j])])
+    return z[: keep.numel()]
+
 
 def compute_logits(out: torch.Tensor, hidden: torch.Tensor, head: LmHead, opts: LossOptions, keep_tanh: bool) -> None:
     """``out[:] = c(hidden @ W.T + b) / T`` (module docstring) in out's (accumulation) dtype.

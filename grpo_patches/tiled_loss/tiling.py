@@ -14,8 +14,9 @@ MAX_DEFAULT_TILE = 512
 
 
 def choose_tile_size(n_tokens: int, vocab: int, opts: LossOptions) -> int:
-    """Tokens per tile: ``tile_size`` if given, else the most that fit ``tile_memory_bytes`` of fp32
-    logits, at most :data:`MAX_DEFAULT_TILE`."""
+    """Tokens per tile of the torch path: ``tile_size`` if given, else the most that fit
+    ``tile_memory_bytes`` of fp32 logits, at most :data:`MAX_DEFAULT_TILE` (the CUDA fold's shape:
+    :func:`~grpo_patches.tiled_loss.fold.fold_tokens`, :func:`~grpo_patches.tiled_loss.fold.vocab_chunk`)."""
     if opts.tile_size is not None:
         return max(1, min(opts.tile_size, max(n_tokens, 1)))
     fit = min(opts.tile_memory_bytes // (4 * max(vocab, 1)), MAX_DEFAULT_TILE)

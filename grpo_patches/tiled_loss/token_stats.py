@@ -3,13 +3,15 @@
 What an adapter needs *before* the loss when a token's weight depends on the policy's own
 distribution, e.g. TRL's high-entropy token mask (``top_entropy_quantile < 1``): the mask is a
 quantile over every process's entropies, so it must exist before any gradient coefficient.
-Same logits as :func:`~grpo_patches.tiled_loss.tiled_grpo_loss` (same transforms, same GEMMs).
+Same logits as :func:`~grpo_patches.tiled_loss.tiled_grpo_loss` (same transforms, same GEMMs, and on
+CUDA the same fused fold: :mod:`~grpo_patches.tiled_loss.fold`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from grpo_patches.tiled_loss.fold import Fold, fold_enabled, fold_tokens
 from grpo_patches.tiled_loss.gemm import LmHead, without_autocast
 from grpo_patches.tiled_loss.inputs import accumulation_dtype, check_head_inputs
 from grpo_patches.tiled_loss.options import resolve_options
@@ -49,19 +51,29 @@ def tiled_token_stats(
     logps = torch.zeros(shape.numel(), dtype=acc, device=hidden.device)
     entropy = torch.zeros_like(logps)
     selected = torch.nonzero(mask.reshape(-1) != 0).flatten()
-    bounds = tile_bounds(selected.numel(), choose_tile_size(selected.numel(), weight.shape[0], opts), None)
+    use_fold = fold_enabled(hidden.device, hidden.dtype)
+    n_sel = selected.numel()
+    bounds = tile_bounds(n_sel, fold_tokens(n_sel, opts) if use_fold else choose_tile_size(
+        n_sel, weight.shape[0], opts), None)
     if not bounds:
         return logps.reshape(shape), entropy.reshape(shape)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()
+    max_rows = max(e - s for s, e in bounds)
     with gathered_weight(weight, bias), without_autocast(hidden.device):  # ZeRO-3: the full weight, this pass only
-        head = LmHead.for_inputs(weight, bias, acc)
-        buf = torch.empty(max(e - s for s, e in bounds), weight.shape[0], dtype=acc, device=hidden.device)
+        if use_fold:
+            fold = Fold(weight, bias, opts, max_rows)
+        else:
+            head = LmHead.for_inputs(weight, bias, acc)
+            buf = torch.empty(max_rows, weight.shape[0], dtype=acc, device=hidden.device)
         for start, end in bounds:
             idx = selected[start:end]
-            z = buf[: end - start]
-            compute_logits(z, flat_hidden[idx], head, opts, keep_tanh=False)
-            stats = softmax_stats(z, flat_labels[idx], True, opts, leave="any")
+            if use_fold:
+                stats = fold.stats(flat_hidden[idx], flat_labels[idx], True)
+            else:
+                z = buf[: end - start]
+                compute_logits(z, flat_hidden[idx], head, opts, keep_tanh=False)
+                stats = softmax_stats(z, flat_labels[idx], True, opts, leave="any")
             logps[idx] = stats.logps
             entropy[idx] = stats.entropy
     return logps.reshape(shape), entropy.reshape(shape)

@@ -124,7 +124,7 @@ def test_one_optimizer_step_per_rollout(run, record_property):
     assert worker["process"] != _driver_report(patched)["process"]
     assert worker["savings"]["rows_dropped"] >= ZERO_ROWS  # the last call's rows are reported after the record
     driver = _driver_report(patched)
-    assert driver["notes"]["prev_logprobs"].startswith("skipped: provably on-policy")
+    assert driver["notes"]["old_logprob_pass"].startswith("skipped: provably on-policy")
     assert driver["notes"]["workers"].startswith("reached through the start-up directory")
     assert driver["savings"]["old_logprob_passes_skipped"] == STEPS
     record_property("e2e_rows_dropped_per_step", f"{ZERO_ROWS} of {ROWS}")
@@ -143,7 +143,7 @@ def test_two_optimizer_steps_per_rollout(run, record_property):
     assert len(skipped) == STEPS and all(ROWS // 2 <= v < ROWS for v in skipped), skipped  # the first 8, and more
     record_property("e2e_two_steps_prev_rows_computed", f"{[ROWS - int(v) for v in skipped]} of {ROWS} per step")
     driver = _driver_report(patched)
-    assert driver["notes"]["prev_logprobs"].startswith("deferred to Policy.train and run only on the rows")
+    assert driver["notes"]["old_logprob_pass"].startswith("deferred to Policy.train and run only on the rows")
     assert driver["savings"]["old_logprob_rows_skipped"] == sum(skipped)
     assert "old_logprob_passes_skipped" not in driver["savings"]
 

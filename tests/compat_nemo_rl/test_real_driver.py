@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import grpo_patches
-from grpo_patches.adapters.nemo_rl.state import ACTIVE_LOOP, LoopState, policy_state
+from grpo_patches.adapters.nemo_rl.state import LOOP, LoopCall, policy_state
 from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.helpers.nemo_fake import master_config
 from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
@@ -39,8 +39,8 @@ def _policy():
     return policy
 
 
-def _loop(tag: str, **loss) -> LoopState:
-    return LoopState(policy=_policy(), loss_fn=make_loss(tag, **loss), config=master_config(tag, loss=loss))
+def _loop(tag: str, **loss) -> LoopCall:
+    return LoopCall(policy=_policy(), loss_fn=make_loss(tag, **loss), config=master_config(tag, loss=loss))
 
 
 @pytest.mark.skipif(OLD, reason="v0.5.0 / v0.6.0 skip through Policy.get_logprobs")
@@ -48,26 +48,20 @@ def test_the_real_predicate_says_skip_when_on_policy():
     opd = importlib.import_module("nemo_rl.algorithms.opd")
     loop = _loop(TAG)
     assert opd._skip_prev_logprobs(loop.config) is False  # outside grpo_train: NeMo-RL's own answer
-    token = ACTIVE_LOOP.set(loop)
-    try:
+    with LOOP.entered(loop):
         assert opd._skip_prev_logprobs(loop.config) is True
         assert loop.prev == "skipped" and loop.placeholders
         needed = _loop(TAG, use_importance_sampling_correction=True)
-        ACTIVE_LOOP.set(needed)
-        assert opd._skip_prev_logprobs(needed.config) is False and needed.prev == "run"
-    finally:
-        ACTIVE_LOOP.reset(token)
+        with LOOP.entered(needed):
+            assert opd._skip_prev_logprobs(needed.config) is False and needed.prev == "run"
 
 
 @pytest.mark.skipif(not OLD, reason="v0.7.0+ skip through opd._skip_prev_logprobs")
 def test_the_real_get_logprobs_answers_zeros_without_the_workers():
     loop = _loop(TAG)
     data = batched({k: v for k, v in make_batch(rows=8).items() if k in ("input_ids", "token_mask", "sample_mask")})
-    token = ACTIVE_LOOP.set(loop)
-    try:
+    with LOOP.entered(loop):
         logprobs = loop.policy.get_logprobs(data)["logprobs"]
-    finally:
-        ACTIVE_LOOP.reset(token)
     assert torch.equal(logprobs, torch.zeros(8, 9)) and loop.prev == "skipped"
     with pytest.raises(AttributeError):  # outside grpo_train it is NeMo-RL's, and needs its workers
         loop.policy.get_logprobs(data)
@@ -78,12 +72,9 @@ def test_the_real_sequence_error_metrics_are_placeholders_on_a_skipped_pass():
     grpo = importlib.import_module("nemo_rl.algorithms.grpo")
     loop = _loop(TAG)
     loop.prev = "skipped"
-    token = ACTIVE_LOOP.set(loop)
-    try:
+    with LOOP.entered(loop):
         assert grpo.compute_and_apply_seq_logprob_error_masking(batched(make_batch()), torch.ones(12), None) == (
             0.0, 0, 0.0)
-    finally:
-        ACTIVE_LOOP.reset(token)
     assert loop.placeholders
 
 

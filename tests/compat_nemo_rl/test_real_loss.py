@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -52,12 +53,21 @@ def test_the_version_is_read_from_this_source():
     assert entry["installed"] == READS_AS[expected] and entry["supported"], entry
 
 
+def _megatron_installed() -> bool:
+    """Megatron is importable for real: not v0.6.0's stub (``harness.stub_megatron``, modules without a
+    spec, which ``find_spec`` refuses with a ValueError) and not absent."""
+    stub = sys.modules.get("megatron")
+    if stub is not None and stub.__spec__ is None:
+        return False
+    return importlib.util.find_spec("megatron") is not None
+
+
 def test_every_patch_record_resolves_on_this_source():
     grpo_patches.enable("nemo_rl", zero_advantage_filter=True, tiled_loss=NEW, verify_every=1 if NEW else None)
     adapter = registry.get("nemo_rl")
     modules = dict.fromkeys(t.module for t in adapter.targets(adapter.installed_version()))
     # the Megatron worker imports only beside Megatron-Bridge: its own cell (nemo_rl v0.7.0-megatron) resolves it
-    elsewhere = () if importlib.util.find_spec("megatron") else tuple(m for m in modules if "megatron" in m)
+    elsewhere = () if _megatron_installed() else tuple(m for m in modules if "megatron" in m)
     for module in modules:
         if module in elsewhere:
             continue
@@ -74,8 +84,8 @@ def test_every_patch_record_resolves_on_this_source():
                          ids=["token", "sequence", "dual-clip", "importance-sampling"])
 def test_kept_rows_with_the_original_denominators_give_the_real_gradient(overrides, record_property):
     """The filter's premise, on the real loss: zero-advantage rows left out, the global counts kept."""
-    from grpo_patches.adapters.nemo_rl.filter import loss_tensors
-    from grpo_patches.adapters.nemo_rl.settings import denominator
+    from grpo_patches.adapters.nemo_rl.calls import loss_tensors
+    from grpo_patches.adapters.nemo_rl.loss_modes import denominator
 
     data = batched(make_batch())
     loss_fn = make_loss(TAG, **overrides)
@@ -131,7 +141,8 @@ def test_on_policy_prev_on_the_real_loss(record_property):
 def test_tiled_options_reproduce_the_real_loss(overrides, temperature, record_property):
     """The options the adapter gives ``grpo_lm_head_loss`` reproduce the real loss from the hidden
     state and lm-head weight (gradients w.r.t. both)."""
-    from grpo_patches.adapters.nemo_rl.tiled import TiledMicrobatch, _loss_options
+    from grpo_patches.adapters.nemo_rl.state import TiledMicrobatch
+    from grpo_patches.adapters.nemo_rl.tiled import _loss_options
 
     data = batched(make_batch())
     loss_fn = make_loss(TAG, **overrides)

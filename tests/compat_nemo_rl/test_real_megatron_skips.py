@@ -19,7 +19,7 @@ gradients differ), and the switch lost on the way to the loss (v0.7.0+: the plac
 the patched loss substitutes the placeholder, exact, and fails with that substitution left off).
 
 With two optimizer steps per rollout batch (``recompute``) the adapter defers the pass to
-``Policy.train`` and runs it on the rows some loss reads (:mod:`grpo_patches.adapters.nemo_rl.prev_rows`):
+``Policy.train`` and runs it on the rows some loss reads (:mod:`grpo_patches.adapters.nemo_rl.old_logprob_rows`):
 the later optimizer step's rows (with a non-zero advantage when the filter drops the others); the
 Megatron worker's loss puts the detached current log-probs in the skipped rows. Gradients of both
 optimizer steps equal, rows of the pass counted; a planted fault (the second optimizer step's rows
@@ -49,7 +49,7 @@ import torch
 
 import grpo_patches
 from grpo_patches import savings
-from grpo_patches.adapters.nemo_rl import loss_call, old_logprobs, prev_rows, train_call
+from grpo_patches.adapters.nemo_rl import loss_call, old_logprob_rows, old_logprobs, policy_train
 from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT
 from grpo_patches.errors import PlaceholderError
 from grpo_patches_testing.nemo_rl_cpu import tag
@@ -163,7 +163,7 @@ def _run(patched: bool, gbs: int = ROWS, options: dict | None = None, mbs: int |
     savings.reset("nemo_rl")
     grpo_patches.enable("nemo_rl", **(options or {"zero_advantage_filter": False}))
     try:
-        results = old_logprobs.grpo_train_wrapper(grpo_steps, None, (), call)  # the adapter's loop context
+        results = old_logprobs.grpo_train(grpo_steps, None, (), call)  # the adapter's loop context
         totals = dict(savings.totals("nemo_rl"))
         notes = dict(grpo_patches.status()["nemo_rl"]["notes"])
     finally:
@@ -228,7 +228,7 @@ def test_prev_skip_gradients_equal_with_the_passes_saved(unpatched, tolerance, r
         assert sum(result["all_mb_metrics"]["loss"]) == pytest.approx(sum(base["all_mb_metrics"]["loss"]),
                                                                      abs=tolerance.loss)
         if OLD and not BF16:  # v0.6.0's loss computes these from prev log-probs: the patched loss's are the pass's
-            read = [key for key in train_call.PREV_METRICS if key in base["all_mb_metrics"]]
+            read = [key for key in policy_train.PREV_METRICS if key in base["all_mb_metrics"]]
             assert "token_mult_prob_error" in read
             for key in read:
                 assert result["all_mb_metrics"][key] == pytest.approx(base["all_mb_metrics"][key], rel=1e-5, abs=1e-6)
@@ -253,7 +253,7 @@ def test_reference_placeholder_is_not_read_at_kl_zero(unpatched, tolerance):
 
 
 def test_planted_fault_on_policy_switch_left_off(unpatched, tolerance, monkeypatch, record_property):
-    monkeypatch.setattr(train_call, "_flag", lambda loss_fn: {})  # the loss reads the zero placeholder
+    monkeypatch.setattr(policy_train, "_flag", lambda loss_fn: {})  # the loss reads the zero placeholder
     faulty = _run(patched=True)
     error = _max_rel(faulty, unpatched)
     record_property("fault_megatron_prev_skip_switch_off_grad_rel", error)
@@ -267,11 +267,11 @@ def test_placeholder_guard_fires_in_the_megatron_worker(unpatched, tolerance, mo
     placeholder's place: the gradient stays exact, and with that substitution left off (planted) it does not."""
 
     def marked_only(loss_fn: Any) -> dict:
-        saved = {PREV_IS_CURRENT: loss_fn.__dict__.get(PREV_IS_CURRENT, train_call._ABSENT)}
+        saved = {PREV_IS_CURRENT: loss_fn.__dict__.get(PREV_IS_CURRENT, policy_train._ABSENT)}
         setattr(loss_fn, PREV_IS_CURRENT, True)
         return saved
 
-    monkeypatch.setattr(train_call, "_flag", marked_only)
+    monkeypatch.setattr(policy_train, "_flag", marked_only)
     if OLD:
         assert _max_rel(_run(patched=True), unpatched) <= tolerance.grad
         monkeypatch.setattr(loss_call, "_with_prev", lambda data, current: data)  # the loss reads the placeholder
@@ -324,7 +324,7 @@ def test_uncovered_tag_runs_the_pass_on_every_row(unpatched_two_steps, tolerance
     patched = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
     assert _max_rel(patched, unpatched_two_steps) <= tolerance_two_steps.grad
     assert patched.logprob_rows == unpatched_two_steps.logprob_rows == [ROWS]
-    note = patched.totals["notes"]["prev_logprobs"]
+    note = patched.totals["notes"]["old_logprob_pass"]
     assert note.startswith("runs:") and "Megatron policy worker (covered on v0.7.x only)" in note, note
 
 
@@ -344,14 +344,14 @@ def test_deferred_pass_on_the_rows_a_loss_reads(zero_filter, unpatched_two_steps
     computed = 4 if zero_filter else 6
     assert unpatched_two_steps.logprob_rows == [ROWS] and patched.logprob_rows == [computed]
     assert patched.totals["old_logprob_rows_skipped"] == ROWS - computed
-    assert patched.totals["notes"]["prev_logprobs"].startswith("deferred to Policy.train")
+    assert patched.totals["notes"]["old_logprob_pass"].startswith("deferred to Policy.train")
     if zero_filter:
         assert patched.results[0]["all_mb_metrics"]["grpo_patches/rows_dropped"] == [6.0]  # 3 per optimizer step
 
 
 def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps, tolerance_two_steps, cut_pass,
                                                             monkeypatch, record_property):
-    monkeypatch.setattr(prev_rows, "plan", nemo_prev_rows_cases.rows_treated_as_first(ROWS // 2))
+    monkeypatch.setattr(old_logprob_rows, "plan", nemo_prev_rows_cases.rows_treated_as_first(ROWS // 2))
     faulty = _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": False})
     error = _max_rel(faulty, unpatched_two_steps)
     record_property("fault_megatron_prev_rows_grad_rel", error)
@@ -361,15 +361,15 @@ def test_planted_fault_second_step_rows_taken_for_the_first(unpatched_two_steps,
 def test_placeholder_guard_fires_for_a_skipped_row_the_loss_reads(cut_pass, monkeypatch):
     """A row of the later optimizer step marked as a zero-advantage row although its advantage is not
     0 (driver and workers disagreeing): the Megatron worker's loss raises instead of reading its NaN."""
-    original = prev_rows.plan
+    original = old_logprob_rows.plan
 
     def wrong_zero_row(data: Any, gbs: int, multiple: int, zero_skip: bool) -> tuple[list[int], Any]:
         compute, marks = original(data, gbs, multiple, zero_skip)
         row = next(r for r in compute if r >= gbs and bool((data["advantages"][r] != 0).any()))
-        marks[row], marks[0] = prev_rows.ZERO, 0.0  # row 0 computed in its place: the pass keeps its row count
+        marks[row], marks[0] = old_logprob_rows.ZERO, 0.0  # row 0 computed in its place: the pass keeps its row count
         return sorted([0] + [r for r in compute if r != row]), marks
 
-    monkeypatch.setattr(prev_rows, "plan", wrong_zero_row)
+    monkeypatch.setattr(old_logprob_rows, "plan", wrong_zero_row)
     with raised_in_the_worker() as raised:
         _run(patched=True, gbs=ROWS // 2, options={"zero_advantage_filter": True})
     assert raised.match("non-zero advantage")

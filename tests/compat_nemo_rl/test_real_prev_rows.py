@@ -14,7 +14,7 @@ import socket
 import pytest
 
 import grpo_patches
-from grpo_patches.adapters.nemo_rl import prev_rows
+from grpo_patches.adapters.nemo_rl import old_logprob_rows
 from grpo_patches_testing import nemo_rl_cpu as harness
 from tests.helpers import nemo_prev_rows_cases as cases
 
@@ -46,7 +46,7 @@ def test_without_the_filter_only_the_first_step_skips(record_property):
 
 
 def test_wrong_rows_treated_as_first_are_caught(monkeypatch, record_property):
-    monkeypatch.setattr(prev_rows, "plan", cases.rows_treated_as_first(8))
+    monkeypatch.setattr(old_logprob_rows, "plan", cases.rows_treated_as_first(8))
     got = cases.deferred_matches_upstream(TAG, harness.real_worker, 2, zero_filter=False)
     record_property("fault_prev_rows_grad_rel", got["grad_rel"])
     assert got["grad_rel"] > 1e3 * cases.TOL

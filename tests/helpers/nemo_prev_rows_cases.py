@@ -1,9 +1,9 @@
-"""The prev-logprob pass cut to the rows some loss reads (``recompute``, :mod:`grpo_patches.adapters.nemo_rl.prev_rows`):
+"""The prev-logprob pass cut to the rows some loss reads (``recompute``, :mod:`grpo_patches.adapters.nemo_rl.old_logprob_rows`):
 the worker-side proofs, shared by the stand-in (main suite) and the real worker (compat cells).
 
 Each case trains the same tiny model on one rollout batch of 16 rows twice: NeMo-RL as it is
 (``prev_logprobs`` from a pass over every row, with the weights that generated the batch), and
-patched (the driver's :func:`~grpo_patches.adapters.nemo_rl.prev_rows.fill`: the pass on the
+patched (the driver's :func:`~grpo_patches.adapters.nemo_rl.old_logprob_rows.fill`: the pass on the
 other rows only, NaN and a mark in the rows it skips; the workers' loss substitutes them).
 The data reaches the worker as ``Policy.train`` hands it over: cut by NeMo-RL's own
 ``shard_by_batch_size`` (real source: dynamic batching sorts inside each global batch, two
@@ -51,7 +51,7 @@ def patched_batch(tag: str, factory: Callable[..., Any], batch: dict, gbs: int, 
 
     :param full: the pass over every row; a sub-batch's pass is then its rows (the stand-in's
         pass needs whole micro-batches), else the real worker's pass runs on the sub-batch."""
-    from grpo_patches.adapters.nemo_rl import prev_rows
+    from grpo_patches.adapters.nemo_rl import old_logprob_rows
 
     data = batched({k: v for k, v in batch.items() if k != "prev_logprobs"})
     data["prev_logprobs"] = torch.zeros_like(batch["generation_logprobs"])
@@ -65,8 +65,8 @@ def patched_batch(tag: str, factory: Callable[..., Any], batch: dict, gbs: int, 
         with torch.no_grad():
             return worker.get_logprobs(sub)["logprobs"]
 
-    multiple = dp * LOGPROB_MBS  # what NeMo-RL's pass takes without dynamic batching (prev_rows.pass_multiple)
-    skipped = prev_rows.fill(data, gbs, multiple, prev_rows.zero_rows_skippable(make_loss(tag)), logprobs)
+    multiple = dp * LOGPROB_MBS  # what NeMo-RL's pass takes without dynamic batching (old_logprob_rows.pass_multiple)
+    skipped = old_logprob_rows.fill(data, gbs, multiple, old_logprob_rows.zero_rows_skippable(make_loss(tag)), logprobs)
     return data, skipped
 
 
@@ -105,11 +105,11 @@ def expected_skipped(global_batches: int, zero_filter: bool, dp: int = 1, zero_r
 
 
 def rows_treated_as_first(gbs: int) -> Callable[..., Any]:
-    """A planted fault: the marks of :func:`prev_rows.plan` shifted by one global batch (the
+    """A planted fault: the marks of :func:`old_logprob_rows.plan` shifted by one global batch (the
     second global batch's rows treated as the first's)."""
-    from grpo_patches.adapters.nemo_rl import prev_rows
+    from grpo_patches.adapters.nemo_rl import old_logprob_rows
 
-    original = prev_rows.plan
+    original = old_logprob_rows.plan
 
     def faulty(data: Any, gbs_: int, multiple: int, zero_skip: bool) -> tuple[list[int], Any]:
         compute, marks = original(data, gbs_, multiple, zero_skip)
@@ -120,11 +120,11 @@ def rows_treated_as_first(gbs: int) -> Callable[..., Any]:
 
 
 def verify_step(tag: str, factory: Callable[..., Any], first_rows_off: float = 0.0) -> tuple[Any, Any]:
-    """A verify step of a deferred batch, as the driver sends it (:func:`prev_rows.run`): the
+    """A verify step of a deferred batch, as the driver sends it (:func:`old_logprob_rows.run`): the
     pass over every row, the marks, :data:`VERIFY_PREV` on the loss. ``first_rows_off`` moves the
     first global batch's real values (a skipped pass that would not have equalled the current
     log-probs). Returns ``(unpatched run, verified run)``; 2 global batches of 8 rows."""
-    from grpo_patches.adapters.nemo_rl import prev_rows
+    from grpo_patches.adapters.nemo_rl import old_logprob_rows
     from grpo_patches.adapters.nemo_rl.state import VERIFY_PREV
     from tests.helpers import nemo_verify_cases
 
@@ -133,9 +133,9 @@ def verify_step(tag: str, factory: Callable[..., Any], first_rows_off: float = 0
     base = nemo_verify_cases.train(tag, factory, dict(batch, prev_logprobs=full), None, gbs=8, mbs=2)
     sent = full.clone()
     sent[:8] += first_rows_off * batch["token_mask"][:8]
-    _, marks = prev_rows.plan(batched(batch), 8, LOGPROB_MBS, zero_skip=True)
+    _, marks = old_logprob_rows.plan(batched(batch), 8, LOGPROB_MBS, zero_skip=True)
     loss = make_loss(tag)
     setattr(loss, VERIFY_PREV, {"force_on_policy_ratio": loss.__dict__.get("force_on_policy_ratio")})
-    verified = nemo_verify_cases.train(tag, factory, dict(batch, prev_logprobs=sent, **{prev_rows.MARK: marks}),
+    verified = nemo_verify_cases.train(tag, factory, dict(batch, prev_logprobs=sent, **{old_logprob_rows.MARK: marks}),
                                        {"zero_advantage_filter": True, "verify_every": 1}, gbs=8, mbs=2, loss_fn=loss)
     return base, verified

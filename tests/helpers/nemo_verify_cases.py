@@ -140,7 +140,7 @@ def faulty_filter_disable_ends_as_unpatched(tag: str, factory: Factory, record_p
 
 
 def _skipped_prev_loss(tag: str, force: Any = False) -> Any:
-    """The loss as the driver ships it for a verified step whose prev pass it skipped (:mod:`.train_call`)."""
+    """The loss as the driver ships it for a verified step whose prev pass it skipped (:mod:`.policy_train`)."""
     from grpo_patches.adapters.nemo_rl.state import PREV_IS_CURRENT, VERIFY_PREV
 
     loss = make_loss(tag, use_importance_sampling_correction=False)

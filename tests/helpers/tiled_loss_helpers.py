@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.adapters.trl.loss_types import tiled_loss_preset
+from grpo_patches.adapters.trl.loss_modes import tiled_loss_preset
 from grpo_patches.tiled_loss import dense_grpo_loss, tiled_grpo_loss
 
 #: fp32 tolerance of the issue: max |a - b| / max |b| over each tensor
@@ -88,3 +88,19 @@ def compare(case, rtol=FP32_RTOL, **options):
     dense = run(dense_grpo_loss, case, **options)
     assert_close(tiled, dense, rtol, what=str(options))
     return tiled, dense
+
+
+def policy_case(seed, temperature, B=4, T=64, H=64, V=1024, dtype=torch.bfloat16):
+    """GRPO-like low-precision inputs: logits of std ~2.5, labels sampled from the policy (confident
+    labels, where ``onehot - p`` cancels); ``(hidden, weight, labels, advantages, mask)``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * 2.5 / H**0.5).to(dtype)
+    probs = torch.softmax((hidden.double() @ weight.double().t()).reshape(-1, V) / temperature, -1)
+    labels = torch.multinomial(probs.float(), 1, generator=g).reshape(B, T)
+    return hidden, weight, labels, torch.randn(B, generator=g), (torch.rand(B, T, generator=g) > 0.1).float()
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in fp64."""
+    return float((x.double() - ref).norm() / ref.norm())

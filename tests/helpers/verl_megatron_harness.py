@@ -35,7 +35,7 @@ def renormalising_filter(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     (the naive filter: every kept row's loss renormalised by the kept tokens)."""
     from verl.utils import tensordict_utils as tu
 
-    from grpo_patches.adapters.verl.engine_calls import advantages_and_mask
+    from grpo_patches.adapters.verl.calls_engine import advantages_and_mask
 
     data, loss_function, forward_only = args[0], args[1], kwargs.get("forward_only", False)
     adv, mask = advantages_and_mask(data)
@@ -45,9 +45,9 @@ def renormalising_filter(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 
 def plant_fault() -> None:
     """Replace the adapter's filtering step with :func:`renormalising_filter` in this process."""
-    from grpo_patches.adapters.verl import filter_engine
+    from grpo_patches.adapters.verl import zero_advantage_engine
 
-    filter_engine.forward_backward_batch = renormalising_filter
+    zero_advantage_engine.forward_backward_batch = renormalising_filter
 
 
 def setup(rank: int = 0, world: int = 1, port: int | None = None) -> None:

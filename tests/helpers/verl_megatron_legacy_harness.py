@@ -42,9 +42,9 @@ def renormalising_filter(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 
 def plant_fault() -> None:
     """Replace the adapter's legacy Megatron filter with :func:`renormalising_filter` in this process."""
-    from grpo_patches.adapters.verl import filter_megatron_legacy
+    from grpo_patches.adapters.verl import zero_advantage_megatron_legacy
 
-    filter_megatron_legacy.forward_backward_batch = renormalising_filter
+    zero_advantage_megatron_legacy.forward_backward_batch = renormalising_filter
 
 
 def setup(rank: int = 0, world: int = 1, port: int | None = None, *, tp: int = 1, pp: int = 1) -> None:

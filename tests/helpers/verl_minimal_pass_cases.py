@@ -34,8 +34,8 @@ def the_wrong_first_mini_batch_stops_the_run(monkeypatch: pytest.MonkeyPatch, ru
     """Plant a fault: the LAST mini-batch taken as the first one. The worker refuses the rows."""
     import torch
 
-    from grpo_patches.adapters.verl import old_logprob_rows_plan as plan
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+    from grpo_patches.adapters.verl import needed_rows as plan
+    from grpo_patches.adapters.verl.placeholders import PlaceholderError
 
     def last_mini_batch(trainer, rows):
         first = torch.zeros(rows, dtype=torch.bool)
@@ -49,8 +49,8 @@ def the_wrong_first_mini_batch_stops_the_run(monkeypatch: pytest.MonkeyPatch, ru
 
 def a_skipped_row_reaching_an_unpatched_loss_stops_the_run(monkeypatch: pytest.MonkeyPatch, run: Run) -> None:
     """Plant a fault: the workers' row substitution missing (recompute off there): the guard refuses the placeholder."""
-    from grpo_patches.adapters.verl import old_logprob_rows_worker as worker
-    from grpo_patches.adapters.verl.placeholder import PlaceholderError
+    from grpo_patches.adapters.verl import row_substitution as worker
+    from grpo_patches.adapters.verl.placeholders import PlaceholderError
 
     monkeypatch.setattr(worker, "_substituting_loss", lambda fn, *a, **kw: fn(*a, **kw))  # no substitution
     with pytest.raises(PlaceholderError, match="placeholder reached verl's policy loss"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo_patches.adapters.nemo_rl.settings import DENOMINATORS as NEMO_RL_DENOMINATORS
-from grpo_patches.adapters.trl.loss_types import denominator as trl_denominator
+from grpo_patches.adapters.nemo_rl.loss_modes import DENOMINATORS as NEMO_RL_DENOMINATORS
+from grpo_patches.adapters.trl.loss_modes import denominator as trl_denominator
 from grpo_patches.adapters.verl.loss_modes import denominator as verl_denominator
 from grpo_patches.zero_advantage import ZeroAdvantageFilter
 

@@ -352,9 +352,10 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
 
 def source_root() -> Path:
     """The exported source the cell put on ``PYTHONPATH``: ``nemo_rl`` and ``examples`` side by side."""
+    from grpo_patches.adapters.nemo_rl import PACKAGE
     from grpo_patches.adapters.nemo_rl.version import package_dir
 
-    package = package_dir()
+    package = package_dir(PACKAGE)
     if package is None:
         raise RuntimeError("nemo_rl is not importable")
     return package.parent

@@ -220,7 +220,7 @@ def old_pass_then_update(options, *, mini=16, placeholder=False, worker=None, le
         old.batch.pop("entropys")
         data = data.union(old)
         if placeholder:
-            from grpo_patches.adapters.verl import placeholder as ph
+            from grpo_patches.adapters.verl import placeholders as ph
 
             data.batch["old_log_probs"] = ph.like(data.batch["response_mask"])
         if legacy:

@@ -1,9 +1,9 @@
-"""What a wrapper of verl's engine (0.8+) reads from its calls: the arguments of
-``forward_backward_batch`` / ``forward_step``, the actor config behind the loss function, and
-a batch's advantages and response mask in the padded layout.
+"""What a wrapper of verl's engine (0.8+) reads from its calls beyond their arguments
+(:func:`grpo_patches.call_args.bind`): a policy update's call, the actor config behind the loss
+function, and a batch's advantages and response mask in the padded layout.
 
-Shared by the filter, the reference and old-logprob skips and the tiled loss, so that each
-reads verl's calls the same way.
+Shared by the filter, the reference and old-logprob skips, the tiled loss and verify mode, so
+that each reads verl's calls the same way.
 """
 
 from __future__ import annotations
@@ -11,24 +11,28 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from grpo_patches.call_args import bind
+
 #: The attribute a loss-function wrapper carries its actor config under (seen by :func:`actor_config_of`).
 CONFIG_ATTRIBUTE = "grpo_patches_actor_config"
 
 
-def forward_backward_arguments(data: Any, loss_function: Callable | None = None, forward_only: bool = False) -> tuple:
-    """``(data, loss_function, forward_only)`` of a ``forward_backward_batch`` call, however passed."""
-    return data, loss_function, forward_only
-
-
-def policy_update_call(instance: Any, args: tuple, kwargs: dict) -> tuple[Any, Callable, Any] | None:
+def policy_update_call(wrapped: Callable[..., Any], instance: Any, args: tuple,
+                       kwargs: dict) -> tuple[Any, Callable, Any] | None:
     """``(data, loss_function, actor config)`` of a ``forward_backward_batch`` call that updates the policy on
     advantages (what the filter acts on); ``None`` for every other call (forward only, a loss
     that is not the actor's ``ppo_loss``, no advantages, an unbound call), which passes through."""
-    data, loss_function, forward_only = forward_backward_arguments(*args, **kwargs)
+    call = bind(wrapped, args, kwargs)
+    data, loss_function = call["data"], call["loss_function"]
     config = actor_config_of(loss_function)
-    if instance is None or forward_only or config is None or "advantages" not in data.keys():
+    if instance is None or call["forward_only"] or config is None or "advantages" not in data.keys():
         return None
     return data, loss_function, config
+
+
+def loss_call_data(args: tuple, kwargs: dict) -> Any:
+    """The micro-batch a loss-function call gets (verl calls it ``loss_function(model_output, data, dp_group)``)."""
+    return kwargs["data"] if "data" in kwargs else args[1]
 
 
 def actor_config_of(loss_function: Any) -> Any | None:

@@ -17,8 +17,8 @@ NeMo-RL computes ``prev_logprobs`` for every row. Two kinds of rows never need t
 at its usual place it is skipped as on a one-step batch (:mod:`.old_logprobs`), and here, at
 ``Policy.train`` (same weights: nothing trained in between, and the advantages exist), it
 runs with NeMo-RL's own ``Policy.get_logprobs`` on the other rows only. The skipped rows hold
-NaN and a per-row mark (:data:`MARK`: :data:`FIRST` or :data:`ZERO`); the patched loss in
-the workers puts the detached current log-probs in their place (:mod:`.skipped_rows`), and
+NaN and a per-row mark (:data:`~.placeholders.MARK`: ``FIRST`` or ``ZERO``); the patched loss in
+the workers puts the detached current log-probs in their place (:mod:`.placeholders`), and
 raises if one would be read otherwise. Saved: ``grpo_patches/old_logprob_rows_skipped``.
 """
 
@@ -26,29 +26,24 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.row_merge import merge_rows, round_up
 
-from .settings import denominator, gradient_terms, setting
-from .state import FRAMEWORK, LoopState
-
-#: Per-row mark in the train data: 0 computed, :data:`FIRST` / :data:`ZERO` skipped (NaN prev).
-MARK = "grpo_patches_prev_skipped"
-#: A row of the first optimizer step (its detached current log-probs are exact).
-FIRST = 1.0
-#: A later row with advantage exactly 0 (its prev log-probs are read by no loss term).
-ZERO = 2.0
+from . import FRAMEWORK, PACKAGE
+from .calls import loss_tensors, setting
+from .loss_modes import denominator, gradient_terms
+from .placeholders import FIRST, MARK, ZERO
+from .state import VERIFY_PREV, LoopCall
 #: What ``grpo_train`` puts into ``train_data``; any other key (multimodal inputs) stops the deferral.
 KNOWN_KEYS = {"input_ids", "input_lengths", "generation_logprobs", "token_mask", "sample_mask", "prev_logprobs",
               "reference_policy_logprobs", "advantages"}
 LOGPROB_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 
 
-def why_not(loop: LoopState) -> str | None:
+def why_not(loop: LoopCall) -> str | None:
     """Why the row-subset pass cannot be exact for this loop (``None``: it can)."""
     from .driver_setup import workers_reached
 
-    options = api.active_options(FRAMEWORK)
-    if options is None or not options.recompute:
+    if not FRAMEWORK.on("recompute"):
         return "recompute=False (NeMo-RL's own behaviour: every row)"
     reached, why = workers_reached()
     if not reached:
@@ -68,7 +63,7 @@ def _megatron_problem(config: Any) -> str | None:
 
     from .version import read_version
 
-    found = read_version() or "0"
+    found = read_version(PACKAGE) or "0"
     if not Version("0.7.0") <= Version(found) < Version("0.8.0.dev0"):
         return f"NeMo-RL {found}'s Megatron policy worker (covered on v0.7.x only)"
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -84,8 +79,7 @@ def zero_rows_skippable(loss_fn: Any) -> bool:
     same from the same loss object; a row they keep anyway makes the patched loss raise)."""
     from grpo_patches.zero_advantage import filter_problems
 
-    options = api.active_options(FRAMEWORK)
-    if options is None or options.zero_advantage_filter is False or options.dropped_rows_metrics:
+    if not FRAMEWORK.on("zero_advantage_filter") or FRAMEWORK.on("dropped_rows_metrics"):
         return False
     try:
         denominator(loss_fn)
@@ -100,8 +94,6 @@ def plan(data: Any, gbs: int, multiple: int, zero_skip: bool) -> tuple[list[int]
     rows NeMo-RL's pass takes: :func:`pass_multiple`)."""
     import torch
 
-    from .filter import loss_tensors
-
     rows = int(data["input_ids"].shape[0])
     marks = torch.zeros(rows, dtype=torch.float32)
     marks[: min(gbs, rows)] = FIRST
@@ -110,9 +102,9 @@ def plan(data: Any, gbs: int, multiple: int, zero_skip: bool) -> tuple[list[int]
         zero = ((advantages != 0) & (mask != 0)).sum(dim=1) == 0
         marks[gbs:][zero[gbs:]] = ZERO
     compute = [r for r in range(rows) if marks[r] == 0]
-    spare = [r for r in reversed(range(rows)) if marks[r] != 0]
-    while compute and len(compute) % max(multiple, 1) and spare:
-        compute.append(spare.pop(0))  # computed after all: its mark goes
+    if compute:  # padded with skipped rows, last first, as far as there are any: computed after all, marks gone
+        spare = [r for r in reversed(range(rows)) if marks[r] != 0]
+        compute += spare[:round_up(len(compute), multiple) - len(compute)]
     for r in compute:
         marks[r] = 0.0
     return sorted(compute), marks
@@ -130,8 +122,7 @@ def fill(data: Any, gbs: int, multiple: int, zero_skip: bool, logprobs: Callable
     prev = torch.full(tuple(like.shape), float("nan"), dtype=torch.float32)
     if compute:
         values = logprobs(subset(data, compute))
-        prev = prev.to(values.dtype)
-        prev[torch.tensor(compute)] = values.to(prev.device)
+        prev = merge_rows(values.to(prev.device), torch.tensor(compute), int(prev.shape[0]), fill=prev)
     data["prev_logprobs"] = prev
     data[MARK] = marks
     return int(marks.shape[0]) - len(compute)
@@ -159,48 +150,44 @@ def pass_multiple(policy: Any) -> int:
     return int(size) * (1 if dynamic else int(setting(policy, "cfg.logprob_batch_size", 1) or 1))
 
 
-def run(loop: LoopState, policy: Any, data: Any, gbs: int, loss_fn: Any, verify_step: bool) -> tuple[int, Callable[[], None]]:
+def run(loop: LoopCall, policy: Any, data: Any, gbs: int, loss_fn: Any, verify_step: bool) -> tuple[int, Callable[[], None]]:
     """At ``Policy.train`` of a deferred step: the pass on the rows some loss reads.
 
     On a verify step the pass runs over every row (the workers compare the skipped rows' real
     values with what their loss used, and run NeMo-RL's unpatched computation on them).
 
     :returns: ``(rows skipped, what puts the batch and the loss back after the call)``."""
-    from .state import VERIFY_PREV
-
     unknown = unknown_keys(data)
     zero_skip = zero_rows_skippable(loss_fn)
 
     def logprobs(sub: Any) -> Any:
         """NeMo-RL's pass as ``grpo_train`` prepares it (the workers in inference mode, optimizer
-        offloaded where configured), then back to training as ``grpo_train`` left them."""
+        offloaded where configured), then back to training as ``grpo_train`` left them; unpatched
+        (``Policy.get_logprobs``'s record would answer it with the step's placeholder)."""
         policy.prepare_for_lp_inference()
         try:
-            return policy.get_logprobs(sub)["logprobs"]
+            with FRAMEWORK.unpatched():
+                return policy.get_logprobs(sub)["logprobs"]
         finally:
             policy.prepare_for_training()
 
-    loop.bypass = True
-    try:
-        if unknown or verify_step:
-            _, marks = plan(data, gbs, pass_multiple(policy), zero_skip)
-            every = data if unknown else subset(data, list(range(int(data["input_ids"].shape[0]))))
-            data["prev_logprobs"] = logprobs(every)
-            data[MARK] = marks * (0.0 if unknown else 1.0)
-            skipped = 0
-        else:
-            skipped = fill(data, gbs, pass_multiple(policy), zero_skip, logprobs)
-    finally:
-        loop.bypass = False
+    if unknown or verify_step:
+        _, marks = plan(data, gbs, pass_multiple(policy), zero_skip)
+        every = data if unknown else subset(data, list(range(int(data["input_ids"].shape[0]))))
+        data["prev_logprobs"] = logprobs(every)
+        data[MARK] = marks * (0.0 if unknown else 1.0)
+        skipped = 0
+    else:
+        skipped = fill(data, gbs, pass_multiple(policy), zero_skip, logprobs)
     if unknown:
-        api.note(FRAMEWORK, "prev_logprobs", f"run on every row: the batch carries {', '.join(unknown)} "
-                                             "(multimodal rows are not cut by row yet)")
+        FRAMEWORK.note("old_logprob_pass", f"run on every row: the batch carries {', '.join(unknown)} "
+                                           "(multimodal rows are not cut by row yet)")
     elif verify_step:
         setattr(loss_fn, VERIFY_PREV, {"force_on_policy_ratio": loss_fn.__dict__.get("force_on_policy_ratio")})
     else:
-        api.note(FRAMEWORK, "prev_logprobs", "deferred to Policy.train and run only on the rows some loss reads (not "
-                                             "the first optimizer step's" + (", not those with advantage 0" if zero_skip
-                                                                             else "") + ")")
+        FRAMEWORK.note("old_logprob_pass", "deferred to Policy.train and run only on the rows some loss reads (not "
+                                           "the first optimizer step's" + (", not those with advantage 0" if zero_skip
+                                                                           else "") + ")")
 
     def restore() -> None:
         data.pop(MARK, None)

@@ -6,23 +6,20 @@ one clear error naming the setting and the fix; ``"auto"`` (or ``enable("all")``
 the filter off for that actor and says why in ``grpo_patches.status()`` (per actor class):
 :func:`grpo_patches.refuse_or_note.refuse_or_note`.
 
-Each line's filter: :mod:`.filter_legacy` (``DataParallelPPOActor``, 0.6.1-0.7.1),
-:mod:`.filter_engine` (the FSDP engine, 0.8+; :mod:`.filter_engine_nograd` for
-``dropped_rows_metrics=True``), :mod:`.filter_megatron` (the Megatron engine, 0.8+).
+Each line's filter: :mod:`.zero_advantage_legacy` (``DataParallelPPOActor``, 0.6.1-0.7.1;
+:mod:`.dropped_rows_legacy` for ``dropped_rows_metrics=True``), :mod:`.zero_advantage_engine` (the
+FSDP engine, 0.8+; :mod:`.dropped_rows_engine`), :mod:`.zero_advantage_megatron` (the Megatron
+engine, 0.8+), :mod:`.zero_advantage_megatron_legacy` (``MegatronPPOActor``, 0.6.1-0.7.x).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grpo_patches import api
-from grpo_patches.refuse_or_note import refuse_or_note
 from grpo_patches.zero_advantage import filter_problems
 
-from . import state
+from . import FRAMEWORK, state
 from .loss_modes import gradient_terms, unsupported_settings
-
-FRAMEWORK = "verl"
 
 
 def filter_mode(owner: Any, config: Any, extra_problems: tuple[str, ...] = ()) -> str | None:
@@ -34,16 +31,15 @@ def filter_mode(owner: Any, config: Any, extra_problems: tuple[str, ...] = ()) -
     own = state.of(owner)
     if own.decided:
         return own.filter_mode
-    options = api.active_options(FRAMEWORK)
     mode = None
-    if options is not None and options.zero_advantage_filter is not False:
+    if FRAMEWORK.on("zero_advantage_filter"):
         problems = [*filter_problems(gradient_terms(config)), *unsupported_settings(config), *extra_problems]
         if problems:
-            refuse_or_note(FRAMEWORK, "zero_advantage_filter", problems, owner=owner)
+            FRAMEWORK.refuse_or_note("zero_advantage_filter", problems, owner=owner)
         else:
-            mode = "nograd" if options.dropped_rows_metrics else "pack"
+            mode = "nograd" if FRAMEWORK.setting("dropped_rows_metrics") else "pack"
             how = ("dropped rows get a no-grad forward (dropped_rows_metrics=True)" if mode == "nograd"
                    else "kept rows packed into fewer micro-batches; dropped rows cost no forward")
-            api.note(FRAMEWORK, "zero_advantage_filter", f"on: {how}", owner=owner)
+            FRAMEWORK.note("zero_advantage_filter", f"on: {how}", owner=owner)
     own.filter_mode, own.decided = mode, True
     return mode

@@ -12,8 +12,8 @@
   are put back after the call; NeMo-RL pickles the loss to the workers on every call.
 * NeMo-RL's logged metrics get ``grpo_patches/old_logprob_passes_skipped`` (1 when this step's
   pass was skipped, 0 when it ran; per step) and ``grpo_patches/old_logprob_rows_skipped`` (the
-  rows whose pass did not run: all of them on a skipped step, the rows :mod:`.prev_rows` needs no
-  pass for on a deferred one). A skip is exact only through this call: another
+  rows whose pass did not run: all of them on a skipped step, the rows :mod:`.old_logprob_rows`
+  needs no pass for on a deferred one). A skip is exact only through this call: another
   ``Policy`` training on the skipped step's batch (whose ``prev_logprobs`` are zeros) is an error.
 * Verify mode (:mod:`.verify_driver`): on a verify step whose pass was skipped the pass runs
   for the workers to compare; their figures and switch-offs are read back from the metrics.
@@ -28,22 +28,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from grpo_patches import api, savings
+from grpo_patches.call_args import bind
 from grpo_patches.errors import GrpoPatchesError
 
-from . import prev_rows, verify_driver, version
-from .calls import arguments
+from . import FRAMEWORK, PACKAGE, old_logprob_rows, verify_driver, version
 from .old_logprobs import train_batch_size
-from .state import (
-    ACTIVE_LOOP,
-    COUNTERS,
-    FRAMEWORK,
-    METRIC_PREFIX,
-    PREV_IS_CURRENT,
-    PREV_MARKER,
-    LoopState,
-    policy_state,
-)
+from .state import COUNTERS, LOOP, METRIC_PREFIX, PREV_IS_CURRENT, PREV_MARKER, LoopCall, policy_state
 
 #: Loss metrics ``grpo_train`` itself reads (``metrics["token_mult_prob_error"] > 1.05`` picks a plot; it
 #: prints ``metrics['gen_kl_error']`` every step).
@@ -53,15 +43,12 @@ PREV_METRICS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_
                 "sampling_importance_ratio", "is_oob_ratio")
 
 
-def _late_pass(loop: LoopState, policy: Any, data: Any, steps: int) -> None:
-    loop.bypass = True
-    try:
+def _late_pass(loop: LoopCall, policy: Any, data: Any, steps: int) -> None:
+    with FRAMEWORK.unpatched():  # NeMo-RL's own pass (Policy.get_logprobs's record would skip it again)
         data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-    finally:
-        loop.bypass = False
     loop.prev = "late"
-    api.note(FRAMEWORK, "prev_logprobs", f"run at train time: this train call makes {steps} optimizer steps "
-                                         "(the skip is exact for one only)")
+    FRAMEWORK.note("old_logprob_pass", f"run at train time: this train call makes {steps} optimizer steps "
+                                       "(the skip is exact for one only)")
 
 
 def _flag(loss_fn: Any) -> dict[str, Any]:
@@ -96,7 +83,7 @@ def _reduce_kept_extrema(metrics: dict[str, list]) -> None:
             metrics[key] = [min(finite) if "_min" in key else max(finite)]
 
 
-def _collect(policy: Any, result: Any, skipped: bool, loop: LoopState | None) -> None:
+def _collect(policy: Any, result: Any, skipped: bool, loop: LoopCall | None) -> None:
     metrics = result.get("all_mb_metrics") if isinstance(result, dict) else None
     if metrics is None:
         return
@@ -105,21 +92,21 @@ def _collect(policy: Any, result: Any, skipped: bool, loop: LoopState | None) ->
             metrics[key] = list(metrics[key + "/kept_rows"])
             loop.unlogged.add(key)
     substituted = bool(metrics.pop(PREV_MARKER, None))
-    if skipped and not substituted and not version.at_least("0.7.0"):
+    if skipped and not substituted and not version.at_least(PACKAGE, "0.7.0"):
         for key in PREV_METRICS:
             if key in READ_BY_LOOP and loop is not None and key in metrics:
                 loop.unlogged.add(key)  # the loop reads it (a plot that is not drawn on zero prev anyway)
             else:
                 metrics.pop(key, None)
-        api.note(FRAMEWORK, "workers", "not reached: prev-logprob metrics from zero placeholders were dropped "
-                                       "(start the driver with `grpo-patches run -- ...` so workers are patched)")
+        FRAMEWORK.note("workers", "not reached: prev-logprob metrics from zero placeholders were dropped "
+                                  "(start the driver with `grpo-patches run -- ...` so workers are patched)")
     if METRIC_PREFIX + COUNTERS[0] in metrics:  # the filter ran in the workers: their status() holds their savings
         totals = policy_state(policy).worker_counters
         for name in COUNTERS:
             totals[name] = totals.get(name, 0.0) + float(sum(metrics.get(METRIC_PREFIX + name, ())))
-        api.note(FRAMEWORK, "zero_advantage_filter_workers", "the workers left out " + ", ".join(
+        FRAMEWORK.note("zero_advantage_filter_workers", "the workers left out " + ", ".join(
             f"{totals[n]:g} {n.replace('_dropped', '').replace('_skipped', '').replace('_', ' ')}" for n in COUNTERS)
-                 + f" so far (logged by NeMo-RL as {METRIC_PREFIX}<counter>)")
+                       + f" so far (logged by NeMo-RL as {METRIC_PREFIX}<counter>)")
     _reduce_kept_extrema(metrics)
 
 
@@ -132,12 +119,12 @@ def _both(first: Any, second: Any) -> Any:
     return undo
 
 
-def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def train(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``Policy.train(data, loss_fn, eval_mode=False, gbs=None, ...)``."""
-    loop = ACTIVE_LOOP.get()
+    loop = LOOP.current()
     if loop is not None:
         loop.unlogged.clear()  # decided again for this step's metrics
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     if loop is not None and loop.prev in ("skipped", "deferred") and instance is not loop.policy \
             and not call["eval_mode"]:
         raise GrpoPatchesError(
@@ -155,8 +142,9 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     rows_skipped = None
     if driven and loop.prev == "deferred":
         gbs = train_batch_size(instance, call.get("gbs"))
-        rows_skipped, undo_verify = prev_rows.run(loop, instance, call["data"], gbs, loss_fn, verify_driver.due(step))
-        savings.report(FRAMEWORK, old_logprob_rows_skipped=rows_skipped)
+        rows_skipped, undo_verify = old_logprob_rows.run(loop, instance, call["data"], gbs, loss_fn,
+                                                         verify_driver.due(step))
+        FRAMEWORK.report_savings(old_logprob_rows_skipped=rows_skipped)
     if skipped:
         data = call["data"]
         steps = int(data["input_ids"].shape[0]) // train_batch_size(instance, call.get("gbs"))
@@ -166,11 +154,11 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         else:
             saved = _flag(loss_fn)
             rows_skipped = int(data["input_ids"].shape[0])
-            savings.report(FRAMEWORK, old_logprob_passes_skipped=1, old_logprob_rows_skipped=rows_skipped)
+            FRAMEWORK.report_savings(old_logprob_passes_skipped=1, old_logprob_rows_skipped=rows_skipped)
             if verify_driver.due(step):
                 force = saved["force_on_policy_ratio"]
-                undo_verify = verify_driver.run_skipped_pass(loop, instance, data, loss_fn,
-                                                             None if force is _ABSENT else force)
+                force = None if force is _ABSENT else force
+                undo_verify = verify_driver.run_skipped_pass(instance, data, loss_fn, force)
     if driven and verify_driver.due(step):
         undo_reference = verify_driver.flag_reference(instance, loss_fn)
         if undo_reference is not None:

@@ -1,7 +1,7 @@
 """The ``grpo_lm_head_loss`` options that reproduce TRL 1.16's loss (the tiled loss's input).
 
 Each of TRL's ``loss_type`` names becomes the tiled loss's objective and aggregation
-(:func:`.loss_types.tiled_loss_preset`); TRL's normalisers are passed explicitly, computed from
+(:func:`.loss_modes.tiled_loss_preset`); TRL's normalisers are passed explicitly, computed from
 the whole micro-batch, so the tiled loss of a row subset (with the zero-advantage filter)
 keeps every denominator; the model's logit transforms are read as TRL's fused head reads them.
 """
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from grpo_patches import api
-
-from .loss_types import denominator, importance_sampling_on, loss_mask, tiled_loss_preset
+from . import FRAMEWORK
+from .loss_modes import denominator, importance_sampling_on, loss_mask, tiled_loss_preset
 
 
 def logit_transform(text_config: Any) -> dict[str, Any]:
@@ -82,7 +81,7 @@ def loss_options(trainer: Any, inputs: Mapping[str, Any], rows: Any) -> dict[str
             entropy_aggregation="token-mean",
             entropy_normalizer=mask.sum().clamp(min=1.0) * trainer.current_gradient_accumulation_steps,
         )
-    tile_size = getattr(api.active_options("trl"), "tile_size", None)
+    tile_size = FRAMEWORK.setting("tile_size")
     if tile_size is not None:
         options["tile_size"] = tile_size
 

@@ -1,8 +1,9 @@
 """The zero-advantage filter, shared by every tag's worker: its decision and its micro-batches.
 
-Each line's worker applies them: :mod:`.filter_v050` (v0.5.0), :mod:`.filter_v060` (v0.6.0+);
-the Megatron policy worker is not covered (:mod:`.filter_megatron`). :func:`decide` says
-whether the filter runs for one train call; :func:`plan` lays out its micro-batches. The rows of one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
+Each line's worker applies them: :mod:`.zero_advantage_v050` (v0.5.0), :mod:`.zero_advantage_v060`
+(v0.6.0+), :mod:`.zero_advantage_megatron` (the Megatron policy worker, v0.6.0+). :func:`decide` says
+whether the filter runs for one train call; :func:`plan` lays out its micro-batches. The rows of
+one local global batch are chosen by the ``grpo_filter_zero_advantage`` hook
 (denominator ``"fixed"``: NeMo-RL divides by ``global_valid_toks`` / ``global_valid_seqs``,
 all-reduced over the whole global batch before micro-batching, so the kept rows keep the
 original denominators and need no weights). Then:
@@ -17,7 +18,7 @@ original denominators and need no weights). Then:
   least one row, so every rank makes at least one backward (an all-zero-advantage batch still
   gives zero gradients, not ``None``, and the optimizer step matches NeMo-RL's);
 * with ``dropped_rows_metrics=True`` the dropped rows follow as metrics-only micro-batches
-  (their forward runs without autograd, :mod:`.filter_v060`), aligned over DP the same way.
+  (their forward runs without autograd, :mod:`.dropped_rows`), aligned over DP the same way.
 """
 
 from __future__ import annotations
@@ -25,19 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_patches import api
 from grpo_patches.errors import OptionError
-from grpo_patches.refuse_or_note import refuse_or_note
 
-from .settings import denominator, gradient_terms, is_mixture_of_experts
-from .state import FRAMEWORK, GlobalBatchFilter
+from . import FRAMEWORK
+from .calls import loss_tensors
+from .loss_modes import denominator, gradient_terms, is_mixture_of_experts
+from .state import GlobalBatchFilter
 from .trim import trim
-
-
-def loss_tensors(data: Any) -> tuple[Any, Any]:
-    """``(advantages, mask)`` of the loss's tokens (``[:, 1:]``, as ``ClippedPGLossFn`` slices)."""
-    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
-    return data["advantages"][:, 1:], mask
 
 
 def decide(loss_fn: Any, worker: Any, data: Any, packing: bool, owner: Any = None) -> bool:
@@ -65,8 +60,8 @@ def decide(loss_fn: Any, worker: Any, data: Any, packing: bool, owner: Any = Non
         problems.append("sequence packing is not supported by the zero-advantage filter yet; "
                         "set policy.sequence_packing.enabled=false")
     if problems:
-        return refuse_or_note(FRAMEWORK, "zero_advantage_filter", problems, owner=owner)
-    api.note(FRAMEWORK, "zero_advantage_filter", "on", owner=owner)
+        return FRAMEWORK.refuse_or_note("zero_advantage_filter", problems, owner=owner)
+    FRAMEWORK.note("zero_advantage_filter", "on", owner=owner)
     return True
 
 

@@ -27,50 +27,29 @@ A row's gradient coefficient is therefore ``1 / (M * D_m)``, set by its micro-ba
 Metrics: ``actor/pg_loss`` keeps verl's sum and mean (each original micro-batch reports its
 mini-batch's loss); the other per-micro-batch metrics are over the kept rows
 (``<name>/kept_rows``). Not covered (``"auto"``: off with the reason in ``status()``;
-``True`` raises): what :func:`.filter_megatron.megatron_problems` lists, router replay,
+``True`` raises): what :func:`.zero_advantage_megatron.megatron_problems` lists, router replay,
 multi-modal inputs (never filtered).
 """
 
 from __future__ import annotations
 
-import contextvars
 import types
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from grpo_patches.call_args import bind
+
 from . import metrics as verl_metrics
-from .filter import filter_mode
-from .filter_legacy import micro_denominator
-from .filter_megatron import megatron_problems
+from . import state
 from .loss_modes import denominator, effective_agg_mode, line_of
 from .multimodal import has_multimodal_inputs
 from .version import installed as verl_version
+from .zero_advantage import filter_mode
+from .zero_advantage_legacy import micro_denominator
+from .zero_advantage_megatron import megatron_problems
 
 PG_LOSS = "actor/pg_loss"
 #: per-micro-batch metrics the filter leaves unchanged
 UNCHANGED = ("actor/kl_coef",)
-
-
-@dataclass
-class Update:
-    """One ``update_policy`` call under the filter: its mode and the work counted."""
-
-    mode: str | None = None
-    rows_dropped: int = 0
-    tokens_dropped: int = 0
-    padding_rows: int = 0
-
-
-@dataclass
-class Packed:
-    """One filtered ``forward_backward_batch``: the denominator kind, read by :func:`make_batch_generator`."""
-
-    kind: str
-    micro_batches: int = 0
-
-
-_UPDATE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_legacy_update", default=None)
-_PACKED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_legacy_packed", default=None)
 
 
 def legacy_problems(actor: Any) -> tuple[str, ...]:
@@ -87,14 +66,12 @@ def legacy_problems(actor: Any) -> tuple[str, ...]:
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronPPOActor.update_policy(dataloader)``: counts, into verl's metrics."""
-    if instance is None or getattr(instance, "actor_optimizer", None) is None or _UPDATE.get() is not None:
+    if instance is None or getattr(instance, "actor_optimizer", None) is None \
+            or state.update().zero_advantage is not None:
         return wrapped(*args, **kwargs)
-    update = Update()
-    token = _UPDATE.set(update)
-    try:
+    update = state.ZeroAdvantageUpdate(instance, None)  # the mode: decided at the first training forward_backward_batch
+    with state.in_update(zero_advantage=update):
         out = wrapped(*args, **kwargs)
-    finally:
-        _UPDATE.reset(token)
     if update.mode is not None:
         epochs = max(int(instance.config.ppo_epochs), 1)  # the rows of the batch, not of every epoch
         verl_metrics.report(out, rows_dropped=update.rows_dropped // epochs,
@@ -102,17 +79,10 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     return out
 
 
-def _arguments(data: Any, forward_only: bool = False, post_process_fn: Any = None, calculate_entropy: bool = False,
-               use_dynamic_bsz: bool = False, micro_batch_size: int | None = None, max_token_len: int | None = None,
-               mini_batch_size: int | None = None) -> dict:
-    return dict(data=data, forward_only=forward_only, use_dynamic_bsz=use_dynamic_bsz,
-                micro_batch_size=micro_batch_size, max_token_len=max_token_len)
-
-
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronPPOActor.forward_backward_batch(data, forward_only=False, ...)``."""
-    call = _arguments(*args, **kwargs)
-    data, update = call["data"], _UPDATE.get()
+    call = bind(wrapped, args, kwargs)
+    data, update = call["data"], state.update().zero_advantage
     if instance is None or update is None or call["forward_only"] or "advantages" not in data.batch.keys() \
             or has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
         return wrapped(*args, **kwargs)
@@ -122,17 +92,14 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     kind = denominator(line_of(verl_version()), effective_agg_mode(instance.config))
     original = _original_parts(data, call)
     filtered = _filtered(data, original, kind, update)
-    packed = Packed(kind)
-    token = _PACKED.set(packed)
-    try:
-        out = wrapped(filtered, *args[1:], **kwargs) if args else wrapped(**{**kwargs, "data": filtered})
-    finally:
-        _PACKED.reset(token)
+    packed = state.PackedBatch(denominator=kind)
+    with state.in_update(packed=packed):
+        out = call.call(wrapped, data=filtered)
     _rewrite_metrics(out, len(original), packed.micro_batches)
     return out
 
 
-def _original_parts(data: Any, call: dict) -> list[list[int]]:
+def _original_parts(data: Any, call: Any) -> list[list[int]]:
     """The rows of each micro-batch verl makes of the unfiltered mini-batch."""
     rows = len(data)
     if not call["use_dynamic_bsz"]:
@@ -148,7 +115,7 @@ def _original_parts(data: Any, call: dict) -> list[list[int]]:
     return [list(p) for p in parts]
 
 
-def _filtered(data: Any, parts: list[list[int]], kind: str, update: Update) -> Any:
+def _filtered(data: Any, parts: list[list[int]], kind: str, update: state.ZeroAdvantageUpdate) -> Any:
     """The kept rows, with each one's original coefficient (times the hook's weight) in ``rollout_is_weights``."""
     import torch
     from megatron.core import parallel_state as mpu
@@ -183,20 +150,19 @@ def _filtered(data: Any, parts: list[list[int]], kind: str, update: Update) -> A
 def make_batch_generator(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``megatron_actor.make_batch_generator(batches, vpp_size)``: each micro-batch's
     carrier divided by the coefficient ``1 / (M' * D')`` verl and Megatron give its rows."""
-    packed = _PACKED.get()
+    packed = state.update().packed
     if packed is None:
         return wrapped(*args, **kwargs)
     import torch
 
-    batches = list(args[0] if args else kwargs["batches"])
+    call = bind(wrapped, args, kwargs)
+    batches = list(call["batches"])
     for micro in batches:
-        d = micro_denominator(micro["response_mask"], packed.kind)
+        d = micro_denominator(micro["response_mask"], packed.denominator)
         own = 1.0 / (len(batches) * d) if d > 0 else 1.0
         micro["rollout_is_weights"] = (micro["rollout_is_weights"] / own).to(torch.float32)
     packed.micro_batches = len(batches)
-    if args:
-        return wrapped(batches, *args[1:], **kwargs)
-    return wrapped(**{**kwargs, "batches": batches})
+    return call.call(wrapped, batches=batches)
 
 
 def _rewrite_metrics(out: Any, original: int, packed: int) -> None:

@@ -17,15 +17,14 @@ optimizer step (their old log-probs are the current ones); with ``ppo_epochs >= 
 is consumed again after a step. With the zero-advantage filter packing rows (on, and
 ``dropped_rows_metrics=False``), a row whose advantage is exactly 0 on every response token
 never reaches a loss that could read them. A wrong prediction cannot train silently: the
-worker refuses a placeholder that reaches a loss after a step (:mod:`.old_logprob_rows_worker`).
+worker refuses a placeholder that reaches a loss after a step (:mod:`.row_substitution`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grpo_patches import api
-
+from . import FRAMEWORK
 from .config_value import config_value
 from .loss_modes import gradient_terms, unsupported_settings
 
@@ -61,11 +60,10 @@ def engine_worker(trainer: Any) -> bool:
 
 def filter_drops_zero_rows(trainer: Any) -> bool:
     """Whether the workers' zero-advantage filter packs rows (dropped rows never reach a loss),
-    predicted from the options and the actor config exactly as :func:`.filter.filter_mode` decides."""
+    predicted from the options and the actor config exactly as :func:`.zero_advantage.filter_mode` decides."""
     from grpo_patches.zero_advantage import filter_problems
 
-    options = api.active_options("verl")
-    if options is None or options.zero_advantage_filter is False or options.dropped_rows_metrics:
+    if not FRAMEWORK.on("zero_advantage_filter") or FRAMEWORK.setting("dropped_rows_metrics"):
         return False
     actor = trainer.config.actor_rollout_ref.actor
     try:

@@ -5,7 +5,7 @@ unfiltered ``batch_num_tokens`` all-reduced over DP, the trainer's ``global_batc
 makes micro-batches with ``same_micro_num_in_dp=True`` and runs Megatron's pipeline schedule.
 ``postprocess_micro_batch_func`` multiplies each micro-batch's loss by the micro-batch count
 and Megatron's schedule divides it by the same count, so the filtered update (fewer
-micro-batches) still sums the kept rows' global-denominator losses: :mod:`.filter_engine`
+micro-batches) still sums the kept rows' global-denominator losses: :mod:`.zero_advantage_engine`
 does the filtering, unchanged. What Megatron adds:
 
 * **pipeline and tensor parallelism**: every rank of a model-parallel group holds the same
@@ -25,26 +25,23 @@ does the filtering, unchanged. What Megatron adds:
 
 from __future__ import annotations
 
-import contextvars
+import dataclasses
+import functools
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 
-from . import filter_engine
-from .engine_calls import policy_update_call
-from .filter import filter_mode
+from . import FRAMEWORK, state, zero_advantage_engine
+from .calls_engine import policy_update_call
 from .megatron_stages import on_every_stage
-
-#: (unfiltered global routed tokens, this rank's dropped routed tokens still to report) during a filtered update.
-_ROUTED: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_megatron_routed", default=None)
+from .zero_advantage import filter_mode
 
 
 def megatron_problems(engine: Any) -> tuple[str, ...]:
     """Engine settings the filter does not cover on Megatron yet (each one named)."""
     engine_config, tf_config = engine.engine_config, getattr(engine, "tf_config", None)
     problems = []
-    options = api.active_options("verl")
-    if options is not None and options.dropped_rows_metrics:
+    if FRAMEWORK.setting("dropped_rows_metrics", False):
         problems.append("dropped_rows_metrics=True is not available on verl's Megatron engine yet (no no-grad "
                         "forward for the dropped rows); pass dropped_rows_metrics=False")
     for name, what in (("context_parallel_size", "context parallelism"),
@@ -65,30 +62,30 @@ def megatron_problems(engine: Any) -> tuple[str, ...]:
 
 def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngine.forward_backward_batch(data, loss_function, forward_only)``."""
-    call = policy_update_call(instance, args, kwargs)
+    call = policy_update_call(wrapped, instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
     data, _, config = call
-    problems = (*filter_engine.settings_problems(config, data), *megatron_problems(instance))
-    if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; filter_engine reads it
+    problems = (*zero_advantage_engine.settings_problems(config, data), *megatron_problems(instance))
+    if filter_mode(instance, config, extra_problems=problems) is None:  # decided once; the engine's filter reads it
         return wrapped(*args, **kwargs)
     per_token = bool(getattr(getattr(instance, "tf_config", None), "calculate_per_token_loss", False))
     if not per_token or not hasattr(instance, "_routed_num_tokens"):  # 0.8.0 has no per-token loss path
-        return on_every_stage(filter_engine.forward_backward_batch, wrapped, instance, args, kwargs)
+        return on_every_stage(zero_advantage_engine.forward_backward_batch, wrapped, instance, args, kwargs)
 
     routed = _global_routed_tokens(instance, data)
     unfiltered_local = int(instance._routed_num_tokens(data))
 
-    def run_with_unfiltered_token_counts(filtered: Any, loss: Any, only: bool) -> Any:
-        pending = unfiltered_local - int(instance._routed_num_tokens(filtered))
-        token = _ROUTED.set([routed, pending])
-        try:
-            return wrapped(filtered, loss, only)
-        finally:
-            _ROUTED.reset(token)
+    @functools.wraps(wrapped)
+    def with_unfiltered_routed_tokens(*a: Any, **kw: Any) -> Any:  # verl's call, as the engine's filter makes it
+        dropped = unfiltered_local - int(instance._routed_num_tokens(bind(wrapped, a, kw)["data"]))
+        packed = dataclasses.replace(state.update().packed or state.PackedBatch(), routed_num_tokens=routed,
+                                     dropped_routed_tokens=dropped)
+        with state.in_update(packed=packed):
+            return wrapped(*a, **kw)
 
-    return on_every_stage(filter_engine.forward_backward_batch, run_with_unfiltered_token_counts, instance, args,
-                           kwargs)
+    return on_every_stage(zero_advantage_engine.forward_backward_batch, with_unfiltered_routed_tokens, instance, args,
+                          kwargs)
 
 
 def _global_routed_tokens(engine: Any, data: Any) -> int:
@@ -103,17 +100,16 @@ def _global_routed_tokens(engine: Any, data: Any) -> int:
 def postprocess_micro_batch_func(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``MegatronEngineWithLMHead.postprocess_micro_batch_func(output, data, ...)``: under a
     per-token loss, the unfiltered global ``routed_num_tokens`` and, once per rank, the dropped rows' tokens."""
-    state = _ROUTED.get()
-    if state is None:
+    packed = state.update().packed
+    if packed is None or packed.routed_num_tokens is None:
         return wrapped(*args, **kwargs)
     from verl.utils import tensordict_utils as tu
 
-    data = kwargs["data"] if "data" in kwargs else args[1]
-    tu.assign_non_tensor(data, routed_num_tokens=state[0])
+    tu.assign_non_tensor(bind(wrapped, args, kwargs)["data"], routed_num_tokens=packed.routed_num_tokens)
     result = wrapped(*args, **kwargs)
-    if isinstance(result, tuple) and len(result) == 3 and state[1]:
+    if isinstance(result, tuple) and len(result) == 3 and packed.dropped_routed_tokens:
         loss_sum, num_tokens, output = result
-        num_tokens = num_tokens + state[1]  # Megatron sums these over micro-batches and DP ranks
-        state[1] = 0
+        num_tokens = num_tokens + packed.dropped_routed_tokens  # Megatron sums these over micro-batches and DP ranks
+        packed.dropped_routed_tokens = 0
         result = (loss_sum, num_tokens, output)
     return result

@@ -1,24 +1,18 @@
-"""Reading NeMo-RL's settings, whatever their container, and what they mean for the patches.
+"""NeMo-RL's loss modes and what they mean for the patches: framework knowledge the core must not hold.
 
-``master_config`` is a dict of dicts on v0.5.0 / v0.6.0 (TypedDicts) and a mix of pydantic
-models and dicts from v0.7.0 (``master_config.loss_fn.force_on_policy_ratio``,
-``master_config.grpo["..."]`` on v0.7.0, ``master_config.grpo.seq_logprob_error_threshold`` on
-main); :func:`setting` reads a dotted path through any of them. The loss object
-(``ClippedPGLossFn``) carries the loss settings as attributes on every tag.
-
-Framework knowledge the core must not hold lives here: the loss modes and what they divide
-by (:data:`DENOMINATORS`), and the settings that give zero-advantage rows a gradient
-(:func:`gradient_terms`).
+What each mode of ``ClippedPGLossFn`` divides a micro-batch's loss by (:data:`DENOMINATORS`),
+and the settings that give zero-advantage rows a gradient (:func:`gradient_terms`); the loss
+object carries them as attributes on every tag.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from grpo_patches.errors import OptionError
 from grpo_patches.zero_advantage import GradientTerm
 
-_MISSING = object()
+from . import FRAMEWORK
 
 #: ``ClippedPGLossFn.loss_type`` (``LossType`` member name) -> what one micro-batch's loss is
 #: divided by (:data:`grpo_patches.zero_advantage.DENOMINATORS`). Both divide by a count the
@@ -28,21 +22,6 @@ DENOMINATORS: dict[str, str] = {
     "TOKEN_LEVEL": "fixed",  # masked_mean(..., global_normalization_factor=global_valid_toks)
     "SEQUENCE_LEVEL": "fixed",  # masked_mean(per-row token means, sample_mask, global_valid_seqs)
 }
-
-
-def setting(config: Any, path: str, default: Any = None) -> Any:
-    """``config``'s value at dotted ``path`` (mappings and attribute objects alike), else ``default``."""
-    value = config
-    for part in path.split("."):
-        if value is None:
-            return default
-        if isinstance(value, Mapping):
-            value = value.get(part, _MISSING)
-        else:
-            value = getattr(value, part, _MISSING)
-        if value is _MISSING:
-            return default
-    return value
 
 
 def loss_mode(loss_fn: Any) -> str:
@@ -58,7 +37,7 @@ def denominator(loss_fn: Any) -> str:
     """
     mode = loss_mode(loss_fn)
     if mode not in DENOMINATORS:
-        raise OptionError(f"unknown nemo_rl loss mode {mode!r}; valid ones are: {', '.join(DENOMINATORS)}")
+        raise OptionError(f"unknown {FRAMEWORK.name} loss mode {mode!r}; valid ones are: {', '.join(DENOMINATORS)}")
     return DENOMINATORS[mode]
 
 

@@ -4,14 +4,15 @@ TRL computes a rollout's old log-probs (when it needs them) inside
 ``_generate_and_score_completions``, before it scores the rollout, so it cannot know which
 rows will have a zero advantage. With the filter on and ``dropped_rows_metrics=False`` the
 dropped rows' old log-probs are never read: their ratio is set to exactly 1 in the loss call
-(:mod:`.policy_forward`). So the pass is deferred: TRL's call gets a placeholder, and once the
+(:mod:`.policy_forward`). So the pass is deferred: TRL's call gets a placeholder
+(:meth:`Deferred.answer`, asked through the rollout's :class:`~.state.RolloutCall`), and once the
 method returns (advantages known) the pass runs on the rows the ``grpo_filter_zero_advantage``
 hook keeps for the whole rollout, with TRL's own arguments and the same weights (nothing
 trains in between), on the columns some kept row uses (:mod:`.trim`). The placeholder's other
 rows stay NaN: :mod:`.placeholders` keeps them out of every loss (replaced where no gradient
 can come of them, an error where one would).
-On a rollout a verify step consumes, the pass also runs over every row and the kept rows are
-compared with it (:mod:`.verify_rollout`).
+On a rollout a verify step consumes, the rollout's observer runs TRL's pass over every row and
+compares the kept rows with it first (:mod:`.verify_rollout`).
 
 Under data parallelism every rank keeps the same number of rows (the hook aligns them), so
 every rank runs the same number of forward chunks (ZeRO-3 / FSDP gather inside each).
@@ -22,30 +23,28 @@ multimodal rollouts on TRL < 1.15, or when the filter is off for the trainer.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
-from grpo_patches import api
-
-from . import filter as zero_advantage_filter
-from . import logprob_pass, metrics, placeholders, state, trim, verify_rollout
-from .loss_types import importance_sampling_on, loss_mask
+from . import FRAMEWORK, logprob_pass, metrics, placeholders, trim, zero_advantage
+from .loss_modes import importance_sampling_on, loss_mask
 from .row_subsets import is_multimodal, rows_of
+from .state import RolloutCall
 from .version import multimodal_rows_supported
 
 
 @dataclass
 class Deferred:
-    """One rollout's deferred old-logprob pass: TRL's arguments and the placeholder it got."""
+    """One rollout's deferred old-logprob pass: TRL's call (its log-prob method beneath the
+    adapter's wrapper, the arguments) and the placeholder it got."""
 
+    method: Callable[..., Any] | None = None
     arguments: dict[str, Any] = field(default_factory=dict)
     placeholder: Any = None
 
     def answer(self, trainer: Any, method: Callable[..., Any], arguments: Mapping[str, Any], arity: int) -> tuple | None:
-        """Asked by the routing wrapper (:mod:`.policy_forward`) for a log-prob call outside a
-        loss call: the placeholder answer when this is the deferred old-logprob pass, else
-        ``None`` (run it)."""
+        """TRL's old-logprob call (asked through :meth:`.state.RolloutCall.answer`): the placeholder
+        answer when this is the deferred pass, else ``None`` (run it)."""
         import torch
 
         if (self.placeholder is not None or torch.is_grad_enabled()
@@ -53,60 +52,41 @@ class Deferred:
                 or (is_multimodal(arguments) and not multimodal_rows_supported())):
             return None
         ids = arguments["input_ids"]
-        self.arguments = dict(arguments)
+        self.method, self.arguments = method, dict(arguments)
         self.placeholder = placeholders.new(ids.size(0), int(arguments["logits_to_keep"]), ids.device)
         return (self.placeholder, None) if arity == 2 else (self.placeholder, None, None)
 
 
-def _applies(trainer: Any) -> bool:
-    options = api.active_options("trl")
-    return (
-        options is not None
-        and options.zero_advantage_filter is not False
-        and not options.dropped_rows_metrics
-        and not importance_sampling_on(trainer)
-        and zero_advantage_filter.decide(trainer)
-    )
+def deferral(trainer: Any) -> Deferred | None:
+    """The deferral of one training rollout's pass (``None``: not deferred, module docstring)."""
+    applies = (FRAMEWORK.on("zero_advantage_filter") and not FRAMEWORK.on("dropped_rows_metrics")
+               and not importance_sampling_on(trainer) and zero_advantage.decide(trainer))
+    return Deferred() if applies else None
 
 
-@contextmanager
-def deferring(trainer: Any) -> Iterator[Deferred | None]:
-    """For the duration of one training ``_generate_and_score_completions`` call: arm the
-    deferral (yields ``None`` when it does not apply)."""
-    if not _applies(trainer):
-        yield None
-        return
-    own = state.of(trainer)
-    own.deferred = Deferred()
-    try:
-        yield own.deferred
-    finally:
-        own.deferred = None
-
-
-def complete(trainer: Any, deferred: Deferred | None, output: dict) -> None:
+def complete(trainer: Any, rollout: RolloutCall, output: dict) -> None:
     """After TRL's method returned: run the deferred pass on the kept rows, in place."""
+    deferred = rollout.deferred
     if deferred is None or deferred.placeholder is None:
         return
     import torch
 
     from grpo_patches.plugins import hook
 
-    state.of(trainer).deferred = None  # the pass below goes straight through the routing wrapper
     rows = int(deferred.placeholder.size(0))
     plan = hook().grpo_filter_zero_advantage(
         advantages=output["advantages"], mask=loss_mask(output), denominator="fixed", group=None
     )
     keep = torch.arange(rows, device=deferred.placeholder.device) if plan is None else plan.keep
-    method = trainer._get_per_token_logps_and_entropies
+    method = deferred.method
     kept = rows_of(deferred.arguments, keep, method)
     cut = trim.columns(kept)  # no padding work: the columns some kept row uses
     values = trim.widen(logprob_pass.run(trainer, method, trim.trimmed(kept, cut))[0], cut)
     old = deferred.placeholder.to(values.dtype).index_copy(0, keep.to(values.device), values)
     used = old
-    if verify_rollout.wanted(trainer):  # a verify step consumes this rollout: the pass over every row too
-        used = verify_rollout.check_deferred(trainer, deferred.arguments, output, old, keep)
-    output["old_per_token_logps"] = used
+    if rollout.observer is not None:  # a verify step consumes this rollout: TRL's pass over every row too
+        used = rollout.observer.check_deferred(trainer, method, deferred.arguments, output, old, keep)
+    output[placeholders.KEY] = used
     if used is old:  # else verification switched the filter off: the rollout has TRL's full pass
         metrics.report(trainer, old_logprob_rows_skipped=rows - int(keep.numel()),
                        padding_tokens_skipped=cut.tokens(int(keep.numel())))

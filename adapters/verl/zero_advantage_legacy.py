@@ -22,7 +22,7 @@ packed into fewer micro-batches, so the dropped rows cost no forward and no back
 
 ``dropped_rows_metrics=True`` (``"nograd"``): verl's micro-batches stay as they are; in each,
 the kept rows run with autograd and the dropped rows in a no-grad forward, so every metric
-is verl's own (:mod:`.filter_legacy_nograd`). Metrics of the default mode: see
+is verl's own (:mod:`.dropped_rows_legacy`). Metrics of the default mode: see
 :func:`update_policy`.
 
 Without remove-padding, each packed micro-batch's training forward runs on the columns its
@@ -31,53 +31,20 @@ rows use (:mod:`.trim_legacy`; ``grpo_patches/padding_tokens_skipped``).
 
 from __future__ import annotations
 
-import contextvars
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 
 from . import metrics as verl_metrics
-from . import trim_legacy
-from .filter import filter_mode
-from .filter_legacy_nograd import split_forward, world_size
-from .multimodal import has_multimodal_inputs
+from . import state, trim_legacy
+from .dropped_rows_legacy import split_forward, world_size
 from .loss_modes import denominator, effective_agg_mode, line_of
+from .multimodal import has_multimodal_inputs
 from .version import installed as verl_version
-
-_PLAN: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_plan", default=None)
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_update", default=None)
+from .zero_advantage import filter_mode
 
 #: update_policy metrics the filter provably leaves unchanged (0.7: pg_loss is a float sum).
 UNCHANGED = ("actor/grad_norm", "actor/kl_coef", "actor/lr")
-
-
-@dataclass
-class Update:
-    """One filtered ``update_policy`` call: the actor, its mode, and the work counted."""
-
-    actor: Any
-    mode: str
-    denominator: str
-    rows_in: int = 0
-    rows_kept: int = 0
-    tokens_dropped: int = 0
-    padding_rows: int = 0
-    grad_rows: int = 0  # rows through a forward with autograd
-    micro_batches: int = 0
-    padding_tokens_skipped: int = 0  # kept rows x padding columns cut from their forward (:mod:`.trim_legacy`)
-    trim: bool = False
-
-
-@dataclass
-class SplitPlan:
-    """The planned mini-batch sizes of the filtered batch, consumed by its first split."""
-
-    meta: dict
-    total: int
-    split_size: int
-    sizes: list[int]
-    consumed: bool = False
 
 
 def micro_denominator(mask: Any, kind: str) -> float:
@@ -121,7 +88,7 @@ def _original_coefficients(actor: Any, mini: Any, kind: str) -> Any:
     return coefficients
 
 
-def _plan(actor: Any, data: Any, update: Update) -> tuple[Any, list[int]]:
+def _plan(actor: Any, data: Any, update: state.ZeroAdvantageUpdate) -> tuple[Any, list[int]]:
     """The filtered batch (kept rows, carrier weights) and the size of each mini-batch."""
     import torch
 
@@ -160,13 +127,7 @@ def _plan(actor: Any, data: Any, update: Update) -> tuple[Any, list[int]]:
     return filtered, sizes
 
 
-def _bind_data(args: tuple, kwargs: dict) -> tuple[Any, Callable[[Any], tuple[tuple, dict]]]:
-    if args:
-        return args[0], lambda new: ((new, *args[1:]), kwargs)
-    return kwargs["data"], lambda new: (args, {**kwargs, "data": new})
-
-
-def _renamed_metrics(actor: Any, out: dict, update: Update, original_micro_batches: int) -> None:
+def _renamed_metrics(actor: Any, out: dict, update: state.ZeroAdvantageUpdate, original_micro_batches: int) -> None:
     """Metrics of a packed update: what is provably verl's keeps its name, the rest says kept_rows."""
     unchanged = list(UNCHANGED)
     pg_loss = out.get("actor/pg_loss")
@@ -196,24 +157,22 @@ def _original_micro_batches(actor: Any, data: Any) -> int:
 
 def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``DataParallelPPOActor.update_policy(data)``."""
-    if instance is None or instance.actor_optimizer is None or _ACTIVE.get() is not None:
+    if instance is None or instance.actor_optimizer is None or state.update().zero_advantage is not None:
         return wrapped(*args, **kwargs)
     mode = filter_mode(instance, instance.config)
     if mode is None:
         return wrapped(*args, **kwargs)
     kind = denominator(line_of(verl_version()), effective_agg_mode(instance.config))
-    update = Update(instance, mode, kind, trim=mode == "pack" and trim_legacy.applies(instance))
-    data, rebind = _bind_data(args, kwargs)
+    update = state.ZeroAdvantageUpdate(instance, mode, kind, trim=mode == "pack" and trim_legacy.applies(instance))
+    call = bind(wrapped, args, kwargs)
+    data = call["data"]
     if has_multimodal_inputs(data.non_tensor_batch.get("multi_modal_inputs")):
         return wrapped(*args, **kwargs)  # per-row object arrays: not tested, never filtered
-    token = _ACTIVE.set(update)
-    try:
-        if mode == "nograd":
+    if mode == "nograd":
+        with state.in_update(zero_advantage=update):
             out = wrapped(*args, **kwargs)
-        else:
-            out = _packed_update(wrapped, instance, data, rebind, update)
-    finally:
-        _ACTIVE.reset(token)
+    else:
+        out = _packed_update(wrapped, call, instance, data, update)
     per_epoch = 1 if mode == "pack" else instance.config.ppo_epochs  # "nograd" counts every epoch's micro-batches
     verl_metrics.report(
         out,
@@ -225,17 +184,14 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     return out
 
 
-def _packed_update(wrapped, instance, data, rebind, update: Update) -> Any:
+def _packed_update(wrapped: Callable[..., Any], call: Any, instance: Any, data: Any,
+                   update: state.ZeroAdvantageUpdate) -> Any:
     filtered, sizes = _plan(instance, data, update)
-    plan = SplitPlan(meta=filtered.meta_info, total=len(filtered), split_size=instance.config.ppo_mini_batch_size,
-                     sizes=sizes, consumed=len(sizes) == 1)  # one mini-batch: verl's own split gives it
+    plan = state.SplitPlan(meta=filtered.meta_info, total=len(filtered), split_size=instance.config.ppo_mini_batch_size,
+                           sizes=sizes, consumed=len(sizes) == 1)  # one mini-batch: verl's own split gives it
     original = _original_micro_batches(instance, data)
-    token = _PLAN.set(plan)
-    try:
-        new_args, new_kwargs = rebind(filtered)
-        out = wrapped(*new_args, **new_kwargs)
-    finally:
-        _PLAN.reset(token)
+    with state.in_update(zero_advantage=update, split_plan=plan):
+        out = call.call(wrapped, data=filtered)
     if not plan.consumed:
         raise RuntimeError(
             "grpo_patches: verl's update_policy did not split the batch into mini-batches as expected "
@@ -247,10 +203,10 @@ def _packed_update(wrapped, instance, data, rebind, update: Update) -> Any:
 
 def split(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``DataProto.split(split_size)``: the planned mini-batches, once."""
-    plan = _PLAN.get()
+    plan = state.update().split_plan
     if plan is None or plan.consumed or instance is None:
         return wrapped(*args, **kwargs)
-    size = args[0] if args else kwargs.get("split_size")
+    size = bind(wrapped, args, kwargs)["split_size"]
     if instance.meta_info is not plan.meta or len(instance) != plan.total or size != plan.split_size:
         return wrapped(*args, **kwargs)
     plan.consumed = True
@@ -265,10 +221,11 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
     """wrapt wrapper of ``DataParallelPPOActor._forward_micro_batch(micro_batch, temperature, ...)``."""
     import torch
 
-    update = _ACTIVE.get()
+    update = state.update().zero_advantage
     if update is None or update.actor is not instance or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
-    micro = args[0] if args else kwargs["micro_batch"]
+    call = bind(wrapped, args, kwargs)
+    micro = call["micro_batch"]
     if update.mode == "pack":
         mask = micro["response_mask"]
         d = micro_denominator(mask, update.denominator)
@@ -278,30 +235,19 @@ def forward_micro_batch(wrapped: Callable[..., Any], instance: Any, args: tuple,
         update.micro_batches += 1
         if not update.trim:
             return wrapped(*args, **kwargs)
-        out, skipped = trim_legacy.forward(wrapped, micro, args, kwargs)
+        out, skipped = trim_legacy.forward(wrapped, call)
         update.padding_tokens_skipped += skipped
         return out
-    return split_forward(wrapped, update, micro, args, kwargs)
+    return split_forward(wrapped, update, call)
 
 
 def prepare_dynamic_batch(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """dp_actor's binding of ``prepare_dynamic_batch``: inside a packed update under data
     parallelism, every rank gets the same number of micro-batches (FSDP collectives run per
     forward). Packed mini-batches have the same row count on every rank, so the count fits."""
-    update = _ACTIVE.get()
+    update = state.update().zero_advantage
     if update is not None and update.mode == "pack" and world_size() > 1 and "dp_group" not in kwargs:
         import torch.distributed as dist
 
         kwargs = dict(kwargs, dp_group=dist.group.WORLD, same_micro_num_in_dp=True)
     return wrapped(*args, **kwargs)
-
-
-def active_mode() -> str | None:
-    """The filter mode of the update running in this context (``None`` outside one)."""
-    update = _ACTIVE.get()
-    return None if update is None else update.mode
-
-
-def options_on() -> bool:
-    options = api.active_options("verl")
-    return options is not None and options.zero_advantage_filter is not False

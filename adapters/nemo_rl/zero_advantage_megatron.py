@@ -1,21 +1,24 @@
-"""The zero-advantage filter in NeMo-RL's Megatron policy worker (v0.6.0+: ``MegatronPolicyWorkerImpl.train``).
+"""The zero-advantage filter with NeMo-RL's Megatron policy worker (v0.6.0+: ``MegatronPolicyWorkerImpl.train``).
 
 ``train()`` gets each global batch from ``process_global_batch`` (``global_valid_seqs`` /
 ``global_valid_toks`` all-reduced over DP on the whole global batch), then its micro-batches and
 their count from ``get_microbatch_iterator``; both names are imported by the worker module from
 ``nemo_rl.models.megatron.data``, and the worker module's names are wrapped (Ray ships the worker's
 methods by value, as for the DTensor worker: :mod:`.worker_train`). The call brackets and the
-decision are the DTensor worker's (:class:`~.state.TrainCall`, :func:`.filter.decide`), plus the
-Megatron settings not covered yet (:func:`.filter_megatron.problems`).
+decision are the DTensor worker's (:class:`~.state.TrainCall`, :func:`.zero_advantage.decide`), plus
+the Megatron settings not covered yet (:func:`problems`: ``"auto"`` switches the filter off there,
+``True`` raises). v0.5.0's Megatron worker is not patched: ``grpo.setup`` (driver, :func:`setup`)
+sees the config before any worker exists and says so (a note, or an error for ``True``). Nothing
+is imported from the Megatron worker here at import time (it needs Megatron-Bridge).
 
 Exactness: ``LossPostProcessor(num_microbatches=n)`` multiplies each micro-batch's loss by the
 ``n`` the iterator returned, and Megatron's schedule divides it by the same ``n`` — the wrapped
 iterator returns its own count, so the two cancel as upstream and every kept row's loss keeps
 the unfiltered global denominators. ``process_global_batch`` / ``aggregate_training_statistics``
 bracket every train call whatever the options (the loss finds the call to give the rows whose
-prev-logprob pass was skipped their detached current log-probs, :mod:`.skipped_rows`); the
+prev-logprob pass was skipped their detached current log-probs, :mod:`.placeholders`); the
 iterator is wrapped only with the filter on. Data-parallel ranks run the same number of micro-batches
-(zero-weight pads, :func:`.filter.plan`). Micro-batches keep the global batch's width (no column
+(zero-weight pads, :func:`.zero_advantage.plan`). Micro-batches keep the global batch's width (no column
 trim: the schedule gets one ``seq_length`` for all of them). With pipeline parallelism the schedule
 sends every micro-batch's activations between stages in one fixed shape ``[seq_length, mbs, hidden]``:
 each micro-batch then gets zero-weight rows (``sample_mask`` 0: loss and gradient exactly 0) up to
@@ -43,47 +46,61 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 from grpo_patches.caller_frame import unwrap
-from grpo_patches.refuse_or_note import refuse_or_note
 
-from .calls import MEGATRON_WORKER_FILE, arguments, worker_train_frame
-from .filter import decide, plan
-from .filter_megatron import problems
-from .metrics import report_filter_counters
-from .settings import setting
-from .worker_train import start_call
-from .state import ACTIVE_TRAIN, COUNTERS, FRAMEWORK, PREV_IS_CURRENT, TrainCall, active_train
+from . import FRAMEWORK, PACKAGE, frames
+from .calls import setting
+from .state import COUNTERS, PREV_IS_CURRENT, current_train
+from .version import read_version
+from .zero_advantage import plan
+
+#: Why the Megatron worker of a tag line (major.minor) is not patched.
+NOT_PATCHED = {
+    "0.5": "NeMo-RL v0.5.0's Megatron worker is not patched (not run here)",
+}
 
 
-def _begin(frame: Any, loss_fn: Any, data: Any) -> TrainCall:
-    local = frame.f_locals
-    worker = local.get("self")
-    train = TrainCall(worker=worker, loss_fn=loss_fn, frame_id=id(frame), code=frame.f_code)
-    options = api.active_options(FRAMEWORK)
-    policy_gradient = type(loss_fn).__name__ == "ClippedPGLossFn" and "advantages" in data
-    if options is None or options.zero_advantage_filter is False or local.get("eval_mode", False) \
-            or not policy_gradient:
-        return train
-    cfg = getattr(worker, "cfg", None) or {}
-    found = problems(cfg, getattr(getattr(worker, "model", None), "config", None), bool(options.dropped_rows_metrics))
-    if found:
-        refuse_or_note(FRAMEWORK, "zero_advantage_filter", found)
-        return train
-    train.filter_on = decide(loss_fn, worker, data, packing=bool(setting(cfg, "sequence_packing.enabled", False)))
-    return train
+def setup(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``grpo.setup(master_config, ...)`` on a tag whose Megatron worker is not patched: a note
+    (``"auto"``) or an error (``True``) for a Megatron policy."""
+    config = bind(wrapped, args, kwargs)["master_config"]
+    if FRAMEWORK.on("zero_advantage_filter") and setting(config, "policy.megatron_cfg.enabled", False):
+        found = read_version(PACKAGE) or ""
+        reason = NOT_PATCHED.get(".".join(found.split(".")[:2]), f"NeMo-RL {found}'s Megatron worker is not patched")
+        FRAMEWORK.refuse_or_note("zero_advantage_filter", f"{reason}; the zero-advantage filter runs in NeMo-RL "
+                                 "v0.6.0+'s Megatron worker and the DTensor worker")
+    return wrapped(*args, **kwargs)
+
+
+def problems(cfg: Any, model_config: Any, dropped_rows_metrics: bool) -> list[str]:
+    """The worker's settings (``policy`` config, megatron-core model config) the filter does not cover yet."""
+    found = []
+    if int(setting(cfg, "megatron_cfg.virtual_pipeline_model_parallel_size", 1) or 1) > 1:
+        found.append("virtual pipeline stages (policy.megatron_cfg.virtual_pipeline_model_parallel_size > 1: the "
+                     "interleaved schedule) are not covered by the zero-advantage filter with the Megatron worker "
+                     "yet (pipeline parallelism without them is); unset it")
+    if int(setting(cfg, "megatron_cfg.context_parallel_size", 1) or 1) > 1:
+        found.append("context parallelism (policy.megatron_cfg.context_parallel_size > 1) is not covered by the "
+                     "zero-advantage filter with the Megatron worker yet; set it to 1")
+    if setting(cfg, "dynamic_batching.enabled", False):
+        found.append("dynamic batching with the Megatron worker is not covered by the zero-advantage filter yet; "
+                     "set policy.dynamic_batching.enabled=false")
+    if dropped_rows_metrics:
+        found.append("dropped_rows_metrics=True is not supported with NeMo-RL's Megatron worker yet; "
+                     "pass dropped_rows_metrics=False")
+    if int(getattr(model_config, "mtp_num_layers", None) or 0) > 0:
+        found.append("multi-token prediction (mtp_num_layers > 0) trains every row's tokens, so zero-advantage rows "
+                     "have a gradient; turn it off or pass zero_advantage_filter=False")
+    if setting(cfg, "draft.enabled", False):
+        found.append("the draft model (policy.draft.enabled) trains on every row; turn it off or pass "
+                     "zero_advantage_filter=False")
+    return found
 
 
 #: the model's layout flags ``get_microbatch_iterator`` takes and hands to the processed iterator, where the
 #: tag has them (v0.7.0: the first; main: all three; v0.6.0: none)
 LAYOUT_FLAGS = ("delegate_pack_to_model", "delegate_mtp_loss_mask_to_model", "model_slices_context_parallel_inputs")
-
-
-def process_global_batch_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``process_global_batch(data, loss_fn, dp_group, *, batch_idx, batch_size)``, as the Megatron
-    worker module names it: a train call begins at its first global batch."""
-    start_call(worker_train_frame(sys._getframe(1), MEGATRON_WORKER_FILE), wrapped, args, kwargs, _begin)
-    return wrapped(*args, **kwargs)
 
 
 def fill_rows(microbatch: Any, rows: int) -> Any:
@@ -98,17 +115,17 @@ def fill_rows(microbatch: Any, rows: int) -> Any:
     return filled
 
 
-def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def get_microbatch_iterator(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``get_microbatch_iterator(data, cfg, mbs, straggler_timer, ...)`` -> ``(iterator, count,
     micro_batch_size, seq_length, padded_seq_length)``: the kept rows' micro-batches and their own count."""
-    train = active_train()
+    train = current_train()
     if train is None:
-        _note_split_step(sys._getframe(1))
+        _note_split_step()
     if train is None or not train.filter_on:
         return wrapped(*args, **kwargs)
     from megatron.core import parallel_state
 
-    call = arguments(wrapped, args, kwargs)
+    call = bind(wrapped, args, kwargs)
     _, _, micro_batch_size, seq_length, padded = wrapped(*args, **kwargs)  # its shapes (its iterator is lazy)
     loss_fn = train.loss_fn
     prev_real = not (getattr(loss_fn, "force_on_policy_ratio", False) or getattr(loss_fn, PREV_IS_CURRENT, False))
@@ -127,38 +144,13 @@ def microbatch_iterator_wrapper(wrapped: Callable[..., Any], instance: Any, args
     return iterator, len(layout.microbatches), micro_batch_size, seq_length, padded
 
 
-#: main's split train step (``begin_train_step`` / ``train_microbatch`` / ``finish_train_step``, driven by
-#: NeMo-RL's data plane): each call's iterator comes from this method, with no ``process_global_batch``.
-SPLIT_STEP_BODY = "_train_microbatch_body"
 
-
-def _note_split_step(frame: Any) -> None:
-    """A micro-batch of main's split train step runs unfiltered: say so (``"auto"``) or refuse (``True``)."""
-    for _ in range(4):  # the patching layer's trampoline and wrapt's pure-Python fallback add frames
-        if frame is None:
-            return
-        if frame.f_code.co_name == SPLIT_STEP_BODY and frame.f_code.co_filename.endswith(MEGATRON_WORKER_FILE):
-            break
-        frame = frame.f_back
-    else:
+def _note_split_step() -> None:
+    """A micro-batch of main's split train step (:data:`.frames.SPLIT_STEP_BODY`) runs unfiltered: say so
+    (``"auto"``) or refuse (``True``)."""
+    found, loss_fn = frames.split_step_loss_fn()
+    if not found or not FRAMEWORK.on("zero_advantage_filter") or type(loss_fn).__name__ != "ClippedPGLossFn":
         return
-    options = api.active_options(FRAMEWORK)
-    loss_fn = (frame.f_locals.get("state") or {}).get("loss_fn")
-    if options is None or options.zero_advantage_filter is False or type(loss_fn).__name__ != "ClippedPGLossFn":
-        return
-    refuse_or_note(FRAMEWORK, "zero_advantage_filter",
-                   "the Megatron worker's split train step (begin_train_step / train_microbatch / finish_train_step, "
-                   "NeMo-RL's data plane) is not covered by the zero-advantage filter yet: its micro-batches run "
-                   "unfiltered; train() is covered")
-
-
-def aggregate_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``aggregate_training_statistics(...)`` -> ``(mb_metrics, global_loss)``, as the Megatron worker
-    module names it: the end of a train call; the filter's counters go into ``mb_metrics``."""
-    result = wrapped(*args, **kwargs)
-    train = active_train()
-    if train is not None:
-        if train.filter_on or train.rows_dropped:
-            report_filter_counters(train, {"all_mb_metrics": result[0]})
-        ACTIVE_TRAIN.set(None)
-    return result
+    FRAMEWORK.refuse_or_note("zero_advantage_filter", "the Megatron worker's split train step (begin_train_step / "
+                             "train_microbatch / finish_train_step, NeMo-RL's data plane) is not covered by the "
+                             "zero-advantage filter yet: its micro-batches run unfiltered; train() is covered")

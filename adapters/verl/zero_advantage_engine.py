@@ -17,13 +17,15 @@ forward and no backward. The mini-batch, the optimizer step and ``global_batch_s
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any, Callable
 
+from grpo_patches.row_merge import round_up
+
 from . import metrics as verl_metrics
-from .engine_calls import CONFIG_ATTRIBUTE, advantages_and_mask, policy_update_call
-from .filter import filter_mode
+from . import state
+from .calls_engine import CONFIG_ATTRIBUTE, advantages_and_mask, loss_call_data, policy_update_call
 from .loss_modes import effective_agg_mode
+from .zero_advantage import filter_mode
 
 #: ppo_loss metrics the filter provably leaves unchanged (``actor/pg_loss``: a SUM of global-
 #: denominator terms whose dropped-row terms are exactly 0; ``kl_coef``: a constant).
@@ -31,14 +33,13 @@ UNCHANGED = ("actor/pg_loss", "kl_coef")
 #: ppo_loss metrics summed over micro-batches with global denominators: the dropped rows' terms
 #: are missing and the kept rows' terms are not a mean of anything, so they are not logged.
 SUMS_OVER_ALL_ROWS = ("actor/entropy_loss", "kl_loss")
-#: The unfiltered global token count while verl runs the filtered mini-batch (what ppo_loss must divide by).
-_TOKENS: contextvars.ContextVar = contextvars.ContextVar("grpo_patches_verl_batch_num_tokens", default=None)
 
 
 def batch_num_tokens_of(micro: Any) -> Any:
-    """The global token count verl's ``ppo_loss`` will divide this micro-batch's loss by."""
-    tokens = _TOKENS.get()
-    return micro["batch_num_tokens"] if tokens is None else tokens
+    """The global token count verl's ``ppo_loss`` will divide this micro-batch's loss by (the
+    unfiltered one while verl runs a filtered mini-batch: ``PackedBatch.batch_num_tokens``)."""
+    packed = state.update().packed
+    return micro["batch_num_tokens"] if packed is None or packed.batch_num_tokens is None else packed.batch_num_tokens
 
 
 def settings_problems(config: Any, data: Any) -> tuple[str, ...]:
@@ -60,7 +61,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     """wrapt wrapper of ``FSDPEngine.forward_backward_batch(data, loss_function, forward_only)``."""
     import torch
 
-    call = policy_update_call(instance, args, kwargs)
+    call = policy_update_call(wrapped, instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
     data, loss_function, config = call
@@ -71,7 +72,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     if mode is None:
         return wrapped(*args, **kwargs)
     if mode == "nograd":
-        return _nograd_update(wrapped, args, kwargs)
+        return _nograd_update(wrapped, instance, args, kwargs)
 
     from grpo_patches.plugins import hook
 
@@ -94,16 +95,12 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
         filtered = tu.index_select_tensor_dict(data, keep)
 
         def loss_with_unfiltered_tokens(*a: Any, **kw: Any) -> Any:
-            micro = kw["data"] if "data" in kw else a[1]
-            tu.assign_non_tensor(micro, batch_num_tokens=batch_num_tokens)
+            tu.assign_non_tensor(loss_call_data(a, kw), batch_num_tokens=batch_num_tokens)
             return loss_function(*a, **kw)
 
         setattr(loss_with_unfiltered_tokens, CONFIG_ATTRIBUTE, config)
-        token = _TOKENS.set(batch_num_tokens)
-        try:
+        with state.in_update(packed=state.PackedBatch(batch_num_tokens=batch_num_tokens)):
             output = wrapped(filtered, loss_with_unfiltered_tokens, False)  # a policy update: never forward-only
-        finally:
-            _TOKENS.reset(token)
     _kept_rows_metrics(output["metrics"])
     active = (mask != 0)
     dropped_rows = torch.ones(rows, dtype=torch.bool)
@@ -124,17 +121,12 @@ def _kept_rows_metrics(metrics: dict) -> None:
     verl_metrics.rename_kept_rows(metrics, UNCHANGED)
 
 
-def _nograd_update(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _nograd_update(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``dropped_rows_metrics=True``: verl's own micro-batches, each split into a no-grad and an
-    autograd forward by :mod:`.filter_engine_nograd`; every metric stays verl's."""
-    from . import filter_engine_nograd
-
-    update = filter_engine_nograd.NogradUpdate()
-    token = filter_engine_nograd.activate(update)
-    try:
+    autograd forward by :mod:`.dropped_rows_engine`; every metric stays verl's."""
+    update = state.ZeroAdvantageUpdate(instance, "nograd")
+    with state.in_update(zero_advantage=update):
         output = wrapped(*args, **kwargs)
-    finally:
-        filter_engine_nograd.reset(token)
     counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0)
     verl_metrics.report(None, **counts)
     for name, value in counts.items():
@@ -152,7 +144,7 @@ def _static_multiple(keep: Any, mask: Any, data: Any) -> Any:
         return keep
     size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
     rows = int(mask.shape[0])
-    target = min(-(-int(keep.numel()) // size) * size, rows)
+    target = min(round_up(keep.numel(), size), rows)
     if target == keep.numel():
         return keep
     taken = torch.zeros(rows, dtype=torch.bool)

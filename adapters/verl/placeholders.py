@@ -12,7 +12,7 @@ which keeps the payload.
   placeholder (:func:`fills`) are replaced by the detached current log-probs, wherever the
   trainer's stages carried them (the V1 TransferQueue trainer, the legacy ``RayPPOTrainer``);
   no metadata has to survive between stages.
-* :func:`guard_policy_loss` (every patched worker, whatever the options) raises
+* :func:`get_policy_loss_fn` (every patched worker, whatever the options) raises
   :class:`PlaceholderError` when a placeholder reaches verl's policy loss: unsubstituted, it
   would make the loss NaN, and verl would skip the optimizer step with a warning (a non-finite
   grad norm) instead of training.
@@ -75,10 +75,9 @@ def present(t: Any) -> bool:
     return bool(_flags(t).any())
 
 
-def skipped_pass_batch(args: tuple, kwargs: dict) -> Any | None:
-    """The ``data`` argument of a legacy update call when its old log-probs are the skipped pass's
+def skipped_pass_batch(data: Any) -> Any | None:
+    """``data``, a legacy update call's batch, when its old log-probs are the skipped pass's
     placeholder (``None`` otherwise: the update runs as verl's own)."""
-    data = args[0] if args else kwargs.get("data")
     if data is None or "old_log_probs" not in data.batch.keys() or not present(data.batch["old_log_probs"]):
         return None
     return data
@@ -96,7 +95,7 @@ def require_on_policy(data: Any, config: Any, what: str = "this update") -> None
             f"placeholder: {fills(old)}); nothing was trained. Please report this and {FIX}")
 
 
-def guard_policy_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def get_policy_loss_fn(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``get_policy_loss_fn`` (the binding verl's loss calls): the policy loss
     it returns refuses an ``old_log_prob`` holding the placeholder."""
     fn = wrapped(*args, **kwargs)

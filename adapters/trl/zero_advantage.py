@@ -2,7 +2,8 @@
 
 Wraps ``GRPOTrainer._compute_loss`` (and ``GMPOTrainer._compute_loss``, its own record). For
 each training micro-step it asks the ``grpo_filter_zero_advantage`` hook which rows to keep
-and hands that plan to the policy forward (:mod:`.policy_forward`): kept rows run with gradients,
+and hands that plan to the policy forward through the micro-step's :class:`~.state.LossCall`
+(:mod:`.policy_forward`): kept rows run with gradients,
 and TRL's own loss code then runs on the whole ``[B, T]`` micro-batch, so every loss type
 keeps its normaliser without the adapter knowing it. The dropped rows' per-token losses are
 exactly 0 (their advantage is exactly 0 and their ratio finite) and carry no gradient. The
@@ -12,11 +13,11 @@ under data parallelism, every rank keeps (and forwards) the same number of rows.
 ``dropped_rows_metrics`` (one meaning in every adapter):
 
 * ``False`` (default): the dropped rows get no forward at all, in the loss call and in the
-  old-logprob pass (:mod:`.deferred_pass`). TRL's metrics that need their forward are logged
+  old-logprob pass (:mod:`.old_logprob_rows`). TRL's metrics that need their forward are logged
   over the kept rows under ``<name>/kept_rows``; the others keep their names and exact
   values (:mod:`.metrics`).
-* ``True``: the dropped rows get a no-grad forward (no activations kept, no backward), so
-  every metric TRL logs is its own, exactly.
+* ``True``: the dropped rows get a no-grad forward (no activations kept, no backward:
+  :mod:`.dropped_rows`), so every metric TRL logs is its own, exactly.
 
 The kept rows of every micro-batch run on the columns some kept row uses (:mod:`.trim`:
 trailing completion padding, and leading prompt padding where positions allow), counted as
@@ -33,14 +34,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches import api
+from grpo_patches.call_args import bind
 from grpo_patches.errors import OptionError
-from grpo_patches.refuse_or_note import refuse_or_note
 from grpo_patches.zero_advantage import filter_problems
 
-from . import metrics, placeholders, state
-from .loss_types import UnknownObjective, loss_mask, objective_of
-from .policy_forward import loss_call
+from . import FRAMEWORK, metrics, placeholders, state
+from .loss_modes import UnknownObjective, loss_mask, objective_of
 from .row_subsets import is_multimodal
 from .version import multimodal_rows_supported
 
@@ -61,7 +60,7 @@ def decide(trainer: Any) -> bool:
     except (UnknownObjective, OptionError) as exc:
         problems = [str(exc)]
     if problems:
-        own.filter_on = refuse_or_note("trl", "zero_advantage_filter", problems, owner=trainer)
+        own.filter_on = FRAMEWORK.refuse_or_note("zero_advantage_filter", problems, owner=trainer)
         return False
     own.objective = objective
     own.filter_on = True
@@ -76,26 +75,26 @@ def _note_running(trainer: Any) -> None:
     text = (f"on ({own.objective.name} objective): {int(total(trainer, 'rows_dropped'))} of {rows} rows "
             f"left out of the backward, {int(total(trainer, 'padding_tokens_skipped'))} padding token positions "
             "of kept rows not computed")
-    if not api.active_options("trl").dropped_rows_metrics:
+    if not FRAMEWORK.on("dropped_rows_metrics"):
         text += (f", {int(total(trainer, 'forward_rows_skipped'))} of their policy forwards and "
                  f"{int(total(trainer, 'old_logprob_rows_skipped'))} old-logprob rows skipped; "
                  "metrics that need them are logged as <name>/kept_rows")
-    api.note("trl", "zero_advantage_filter", text, owner=trainer)
+    FRAMEWORK.note("zero_advantage_filter", text, owner=trainer)
 
 
-def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer._compute_loss(model, inputs)`` (and GMPO's)."""
-    inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
-    if instance is None or not instance.model.training or state.of(instance).unpatched:
+    if instance is None or not instance.model.training:
         return wrapped(*args, **kwargs)
-    options = api.active_options("trl")
-    if options is None or options.zero_advantage_filter is False or not decide(instance):
+    arguments = bind(wrapped, args, kwargs)
+    inputs = arguments["inputs"]
+    if not FRAMEWORK.on("zero_advantage_filter") or not decide(instance):
         # off (verification may switch it off mid-run): every row is read, no placeholder may be
-        return placeholders.call_loss(wrapped, args, kwargs, placeholders.guard(inputs))
+        return arguments.call(wrapped, inputs=placeholders.guard(inputs))
     if is_multimodal(inputs) and not multimodal_rows_supported():
-        api.note("trl", "zero_advantage_filter (multimodal)", "multimodal micro-batches keep every row: "
-                 "cutting their per-image inputs by row needs TRL >= 1.15", owner=instance)
-        return placeholders.call_loss(wrapped, args, kwargs, placeholders.guard(inputs))
+        FRAMEWORK.note("zero_advantage_filter (multimodal)", "multimodal micro-batches keep every row: "
+                       "cutting their per-image inputs by row needs TRL >= 1.15", owner=instance)
+        return arguments.call(wrapped, inputs=placeholders.guard(inputs))
 
     from grpo_patches.plugins import hook
 
@@ -104,19 +103,19 @@ def compute_loss_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple
         advantages=inputs["advantages"], mask=mask, denominator=state.of(instance).objective.denominator, group=None
     )
     if plan is None:
-        return placeholders.call_loss(wrapped, args, kwargs, placeholders.guard(inputs))
-    # the deferred pass's placeholders: never read (on a verify step a read one is left NaN for
-    # the gradient comparison to catch, and the patched result is then not used)
-    inputs = placeholders.guard(inputs, read=plan.keep, strict=not state.of(instance).verifying)
-    with_metrics = options.dropped_rows_metrics
+        return arguments.call(wrapped, inputs=placeholders.guard(inputs))
+    with_metrics = FRAMEWORK.on("dropped_rows_metrics")
     distributed = getattr(instance.accelerator, "num_processes", 1) > 1
     bucket = metrics.bucket(instance)
     before = metrics.snapshot(bucket) if bucket is not None else {}
-    with loss_call(instance) as call, metrics.captured_gamma_weights(instance) as gamma:
+    with state.LOSS.joined(state.LossCall) as call, metrics.captured_gamma_weights(instance) as gamma:
+        # the deferred pass's placeholders: never read (on a verify step a read one is left NaN for
+        # the gradient comparison to catch, and the patched result is then not used)
+        inputs = placeholders.guard(inputs, read=plan.keep, strict=not call.verifying)
         call.keep, call.dropped_forward = plan.keep, with_metrics
         call.always_split = distributed and with_metrics
-        call.fill_logps = inputs.get("old_per_token_logps")
-        loss = placeholders.call_loss(wrapped, args, kwargs, inputs)
+        call.fill_logps = inputs.get(placeholders.KEY)
+        loss = arguments.call(wrapped, inputs=inputs)
     if not call.used:  # a policy forward we did not answer (moved internals): every row ran
         metrics.report(instance, rows_dropped=0, tokens_dropped=0)
         return loss

@@ -1,16 +1,21 @@
-"""Rows whose prev-logprob pass the driver skipped (:mod:`.prev_rows`), in the workers' loss.
+"""The placeholders a skipped pass leaves, and the guards that keep them out of every loss.
 
-Their ``prev_logprobs`` are NaN and their mark (``data[MARK]``) says why:
+:func:`zero_logprobs`: the zeros a skipped whole pass answers with (NeMo-RL's own placeholder,
+v0.7.0+: ``zeros_like``), never read by a loss on its on-policy path or at KL 0.
 
-* :data:`~.prev_rows.FIRST`: consumed by the first optimizer step of the train call, so the
+Rows whose prev-logprob pass the driver skipped (:mod:`.old_logprob_rows`), in the workers' loss:
+their ``prev_logprobs`` are NaN and their mark (``data[MARK]``) says why:
+
+* :data:`FIRST`: consumed by the first optimizer step of the train call, so the
   detached current log-probs are exactly what the pass would have computed;
-* :data:`~.prev_rows.ZERO`: advantage exactly 0 and a loss in which nothing else reads the
+* :data:`ZERO`: advantage exactly 0 and a loss in which nothing else reads the
   prev log-probs; the zero-advantage filter leaves such rows out, and one it keeps anyway (at
   least one row per rank, or to align ranks) gives no gradient whatever its ratio.
 
 :func:`substitute` gives the loss the detached current log-probs in those rows. A NaN the loss
-would read otherwise (a :data:`ZERO` row with a non-zero advantage, or NeMo-RL's unpatched
-computation meeting a skipped row) raises :class:`~grpo_patches.errors.PlaceholderError`.
+would read otherwise (a :data:`ZERO` row with a non-zero advantage) raises
+:class:`~grpo_patches.errors.PlaceholderError`; so does NeMo-RL's unpatched computation on a
+verify step meeting a skipped row (:func:`check_unpatched`, before it runs).
 
 :func:`guard_skipped_pass`: a step whose whole pass was skipped (v0.7.0+: NeMo-RL's zero
 placeholder in every row) gives the loss a view of its data whose ``prev_logprobs`` raise
@@ -23,15 +28,30 @@ from typing import Any
 
 from grpo_patches.errors import PlaceholderError
 
-from .prev_rows import MARK, ZERO
+from . import FRAMEWORK
+from .calls import loss_mask
 
-_FIX = ("pass recompute=False to grpo_patches.enable('nemo_rl', ...) (GRPO_PATCHES_OPTIONS) to run NeMo-RL's "
-        "prev-logprob pass on every row")
+#: Per-row mark in the train data: 0 computed, :data:`FIRST` / :data:`ZERO` skipped (NaN prev).
+MARK = "grpo_patches_prev_skipped"
+#: A row of the first optimizer step (its detached current log-probs are exact).
+FIRST = 1.0
+#: A later row with advantage exactly 0 (its prev log-probs are read by no loss term).
+ZERO = 2.0
+
+_FIX = (f"pass recompute=False to grpo_patches.enable({FRAMEWORK.name!r}, ...) (GRPO_PATCHES_OPTIONS) to run "
+        "NeMo-RL's prev-logprob pass on every row")
+
+
+def zero_logprobs(data: Any) -> Any:
+    """The zero placeholder of a skipped pass: fp32 zeros shaped like ``data["input_ids"]``."""
+    import torch
+
+    return torch.zeros(tuple(data["input_ids"].shape), dtype=torch.float32)
 
 
 def _read_rows(data: Any) -> Any:
     """Rows with at least one loss token (``token_mask[:, 1:] * sample_mask``)."""
-    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    mask = loss_mask(data)
     return mask.reshape(mask.shape[0], -1).sum(dim=1) > 0
 
 
@@ -39,8 +59,9 @@ def substitute(data: Any, current: Any, patched: bool) -> Any:
     """``data`` with the skipped rows' ``prev_logprobs`` replaced by ``current`` (``[B, S-1]``,
     detached), a shallow copy; ``data`` itself when it has no skipped row.
 
-    :param patched: grpo_patches' computation (``False``: verify mode's unpatched one, which
-        reads ``prev_logprobs`` as they are: real on a verify step)."""
+    :param patched: grpo_patches' computation (``False``: a loss with no current log-probs to put
+        there, or NeMo-RL's unpatched computation: ``prev_logprobs`` are read as they are, and a
+        skipped row that would be read raises)."""
     import torch
 
     marks = data.get(MARK) if hasattr(data, "get") else None
@@ -77,8 +98,8 @@ def substitute(data: Any, current: Any, patched: bool) -> Any:
 
 _SKIPPED_PASS = ("grpo_patches: the loss reads prev_logprobs, but the driver skipped this step's prev-logprob pass "
                  "(they are NeMo-RL's zero placeholder) and the loss is not on its on-policy path "
-                 "(force_on_policy_ratio did not reach it); pass logprob_skip=False to grpo_patches.enable('nemo_rl', "
-                 "...) (GRPO_PATCHES_OPTIONS) to run the pass")
+                 f"(force_on_policy_ratio did not reach it); pass logprob_skip=False to grpo_patches.enable("
+                 f"{FRAMEWORK.name!r}, ...) (GRPO_PATCHES_OPTIONS) to run the pass")
 _GUARDED: dict[type, type] = {}
 
 
@@ -101,10 +122,16 @@ def guard_skipped_pass(data: Any) -> Any:
     return guarded(data)
 
 
+def check_unpatched(data: Any) -> None:
+    """Before NeMo-RL's unpatched computation of a verify step runs on the global batch ``data``:
+    a row whose pass the driver skipped would be read as NaN there (the driver runs the pass on
+    every row only on its own verify steps) -- raise instead (:func:`substitute`, unpatched)."""
+    if hasattr(data, "get") and data.get(MARK) is not None:
+        substitute(data, None, patched=False)
+
+
 def first_rows(data: Any) -> Any | None:
     """The rows marked as the first optimizer step's (``None``: no marks in ``data``)."""
-    from .prev_rows import FIRST
-
     marks = data.get(MARK) if hasattr(data, "get") else None
     return None if marks is None else marks == FIRST
 
