@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
-from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, counts, distance
+from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, cached_runs, counts, distance
 
 harness.load()  # skips without open-instruct / deepspeed on the path
 
@@ -37,14 +37,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def run():
-    done: dict = {}
-
-    def get(name: str) -> harness.Result:
-        if name not in done:
-            done[name] = harness.train(RUNS[name])
-        return done[name]
-
-    return get
+    return cached_runs(harness.train, RUNS)
 
 
 def test_every_optimization_changes_nothing_of_the_update(run, record_property):

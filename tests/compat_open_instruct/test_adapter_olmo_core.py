@@ -14,7 +14,7 @@ import pytest
 
 from grpo_patches_testing import open_instruct_cpu as deepspeed_learner
 from grpo_patches_testing import open_instruct_olmo_core as harness
-from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, counts, distance
+from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, cached_runs, counts, distance
 
 harness.load()  # skips without open-instruct (and its ai2-olmo-core) on the path
 
@@ -29,14 +29,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def run():
-    done: dict = {}
-
-    def get(name: str) -> deepspeed_learner.Result:
-        if name not in done:
-            done[name] = harness.train(RUNS[name])
-        return done[name]
-
-    return get
+    return cached_runs(harness.train, RUNS)
 
 
 def test_the_window_and_the_filter_change_no_gradient(run, record_property):

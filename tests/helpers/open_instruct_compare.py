@@ -9,7 +9,7 @@ record each optimizer step's gradient itself.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 #: The package-level options of every optimization, as a user turns them all on.
 ALL_ON = dict(logprob_skip=True, recompute=True, zero_advantage_filter=True)
@@ -51,3 +51,15 @@ def counts(result: Any) -> dict[str, int]:
     return {"ref_forwards": result.ref_forwards, "old_logprob_forwards": result.old_logprob_forwards,
             "policy_forwards": result.policy_forwards, "full_logits": result.full_logits,
             "optimizer_steps": len(result.grad_norms)}
+
+
+def cached_runs(train: Callable[[Any], Any], runs: dict[str, Any]) -> Callable[[str], Any]:
+    """``get(name)``: ``train(runs[name])``, run once (a module-scoped fixture shares it between tests)."""
+    done: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in done:
+            done[name] = train(runs[name])
+        return done[name]
+
+    return get

@@ -30,13 +30,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_patches_testing import entry_points
 from grpo_patches_testing.nemo_rl_run_grpo import PASSTHROUGH_TEMPLATE, RayCluster
 
 STARTUP = Path(__file__).resolve().parent / "open_instruct_startup"
@@ -191,22 +191,11 @@ def run(folder: Path, cluster: RayCluster, files: dict[str, Path], config: Confi
         stale.unlink(missing_ok=True)
     command = [sys.executable, str(source_root() / "open_instruct" / "grpo_fast.py"), *arguments(config, files, folder)]
     env = environment(folder, config, cluster)
-    if options is not None:
-        # GRPO_E2E_PYTHONPATH goes first for patched runs: a folder holding another copy of grpo_patches
-        # (e.g. one with a planted fault); grpo-patches run builds the start-up directory from it.
-        other = [p for p in os.environ.get("GRPO_E2E_PYTHONPATH", "").split(os.pathsep) if p]
-        env["PYTHONPATH"] = os.pathsep.join([*other, env["PYTHONPATH"]])
-        cli = Path(sys.executable).parent / "grpo-patches"
-        launcher = [str(cli)] if cli.exists() else [sys.executable, "-m", "grpo_patches.cli"]
-        command = [*launcher, "run", "--frameworks", "open_instruct", "--options", options,
-                   "--dir", str(folder.parent / "grpo-patches-startup"), "--", *command]
+    if options is not None:  # a copy of grpo_patches in GRPO_E2E_PYTHONPATH goes first (patched runs only)
+        env["PYTHONPATH"] = os.pathsep.join([*entry_points.other_package(), env["PYTHONPATH"]])
+        command = entry_points.launched("open_instruct", options, folder.parent / "grpo-patches-startup", command)
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
-        returncode, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode, output = -1, f"timed out after {timeout} s\n{_text(exc.stdout)}{_text(exc.stderr)}"
-    (folder / "output.log").write_text(output)
+    returncode, output = entry_points.run_logged(command, folder, env, timeout)
     saved = sorted(glob.glob(str(folder / "output" / "*" / "*.safetensors")))
     return Run(returncode, time.perf_counter() - start, output, folder, _lines(folder / "metrics.jsonl"),
                [x for p in sorted(folder.glob("learner-*.jsonl")) for x in _lines(p)], _lines(folder / "engine.jsonl"),
@@ -220,6 +209,3 @@ def cluster() -> RayCluster:
 def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
