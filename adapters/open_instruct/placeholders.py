@@ -36,7 +36,9 @@ def new(step: StepState, i: int, shape: tuple, dtype: Any, device: Any) -> Any:
 
 
 def _holder(entry: Any, i: int) -> StepState | None:
-    """The step whose placeholder ``entry`` is (``None``: a real value)."""
+    """The step whose placeholder ``entry`` is (``None``: a real value, or no pre-pass ran: one mini-batch)."""
+    if entry is None:  # open-instruct's cache holds None where no pre-pass ran; never a placeholder
+        return None
     for owner in list(LEARNERS):
         own = FRAMEWORK.peek(owner)
         step = own.step if own is not None else None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
-from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, cached_runs, counts, distance
+from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, counts, distance,
+                                                dropping_a_useful_micro_batch)
 
 harness.load()  # skips without open-instruct / deepspeed on the path
 
@@ -115,15 +116,7 @@ def test_with_a_kl_term_nothing_changes(run):
 def test_a_filter_that_drops_a_useful_micro_batch_is_caught(run, monkeypatch, record_property):
     from grpo_patches.adapters.open_instruct import zero_advantage
 
-    real = zero_advantage.plan
-
-    def wrong(learner, step):
-        plan = real(learner, step)
-        first = plan.useful.index(True, step.accumulation_steps)  # a micro-batch with a gradient, in group 1
-        plan.runs[first] = False
-        return plan
-
-    monkeypatch.setattr(zero_advantage, "plan", wrong)
+    monkeypatch.setattr(zero_advantage, "plan", dropping_a_useful_micro_batch(zero_advantage.plan))
     gap = distance(harness.train(RUNS["zero2_exact"]), run("zero2"))
     record_property("fault_filter_drops_useful", gap)
     assert gap > 1e-3
@@ -149,9 +142,13 @@ def test_old_logprobs_from_the_wrong_weights_are_caught(run, monkeypatch, record
 
     def wrong(wrapped, instance, args, kwargs):
         step = placeholders._holder(args[0][args[1]], args[1])
-        if step is not None:
-            step.current.s = 0  # "before the first optimizer step", always
-        return real(wrapped, instance, args, kwargs)
+        if step is None:
+            return real(wrapped, instance, args, kwargs)
+        saved, step.current.s = step.current.s, 0  # "before the first optimizer step", for the guard only
+        try:
+            return real(wrapped, instance, args, kwargs)
+        finally:
+            step.current.s = saved  # DeepSpeed's accumulation boundary still reads the true micro-step
 
     monkeypatch.setattr(placeholders, "resolve_old_logprob", wrong)
     gap = distance(harness.train(RUNS["zero2_exact"]), run("zero2"))

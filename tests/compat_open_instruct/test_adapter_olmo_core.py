@@ -14,7 +14,8 @@ import pytest
 
 from grpo_patches_testing import open_instruct_cpu as deepspeed_learner
 from grpo_patches_testing import open_instruct_olmo_core as harness
-from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, cached_runs, counts, distance
+from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, counts, distance,
+                                                dropping_a_useful_micro_batch)
 
 harness.load()  # skips without open-instruct (and its ai2-olmo-core) on the path
 
@@ -61,14 +62,7 @@ def test_the_tiled_lm_head_on_olmo_core(run, record_property):
 def test_a_filter_that_drops_a_useful_micro_batch_is_caught(run, monkeypatch, record_property):
     from grpo_patches.adapters.open_instruct import zero_advantage
 
-    real = zero_advantage.plan
-
-    def wrong(learner, step):
-        plan = real(learner, step)
-        plan.runs[plan.useful.index(True, step.accumulation_steps)] = False
-        return plan
-
-    monkeypatch.setattr(zero_advantage, "plan", wrong)
+    monkeypatch.setattr(zero_advantage, "plan", dropping_a_useful_micro_batch(zero_advantage.plan))
     gap = distance(harness.train(RUNS["exact"]), run("base"))
     record_property("fault_olmo_core_filter", gap)
     assert gap > 1e-3

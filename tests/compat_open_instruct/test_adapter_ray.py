@@ -21,6 +21,7 @@ import pytest
 
 from grpo_patches import startup_path
 from grpo_patches_testing import open_instruct_cpu as harness
+from grpo_patches_testing.open_instruct_startup import cpu_run
 
 ray = pytest.importorskip("ray", reason="not run: needs ray (open-instruct's cells have it)")
 grpo_fast = harness.load()
@@ -41,6 +42,7 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray")
     built = startup_path.build(root / "startup")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    cpu_run.pickle_module_subclasses_by_reference()  # the driver ships the learner class by value (torch 2.13)
     saved, cwd = dict(os.environ), os.getcwd()
     kit = Path(harness.__file__).parent / "open_instruct_startup"  # the vLLM import stand-in, test-only
     os.chdir(root)

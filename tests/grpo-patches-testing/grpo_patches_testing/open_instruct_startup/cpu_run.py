@@ -50,6 +50,28 @@ def settings() -> dict[str, Any]:
     return {"seed": 1, "bf16": False, "optimizer": "sgd", **json.loads(os.environ.get(SETTINGS_ENV) or "{}")}
 
 
+def pickle_module_subclasses_by_reference() -> None:
+    """Ray's cloudpickle pickles a module *subclass* by value and fails on torch 2.13's
+    ``torch.distributed.config`` (a ``ConfigModuleInstance``), which it takes along when it ships
+    ``PolicyTrainerRayProcess`` by value: such modules are pickled by reference, as plain ones are
+    (in every process that ships the class: the driver too). Idempotent."""
+    import types
+
+    from ray.cloudpickle import cloudpickle as cp
+
+    override = cp.Pickler.reducer_override
+    if getattr(override, "module_subclasses_by_reference", False):
+        return
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
+            return cp._module_reduce(obj)
+        return override(self, obj)
+
+    reducer_override.module_subclasses_by_reference = True  # type: ignore[attr-defined]
+    cp.Pickler.reducer_override = reducer_override
+
+
 def install() -> None:
     """Register the stand-ins and records (each applied when open-instruct imports its module)."""
     import wrapt
