@@ -62,3 +62,8 @@ class PlaceholderError(GrpoPatchesError, RuntimeError):
     Placeholders (e.g. the old log-probs of rows the deferred pass left out) are NaN and never
     readable: the adapter replaces them where no gradient can come of them and raises this
     where one would."""
+
+
+class HookContractError(GrpoPatchesError, TypeError):
+    """A plugin's answer to a decision hook breaks the hook's documented contract (the message names
+    the plugin and the rule): :mod:`grpo_patches.hook_contracts`."""

@@ -9,6 +9,10 @@ also return ``None`` to defer to the default.
 Plugins are modules or objects with ``@grpo_patches.hookimpl`` functions, registered with
 ``grpo_patches.plugin_manager().register(obj)`` or through the ``grpo_patches`` entry-point
 group (autoloading is disabled by ``GRPO_PATCHES_DISABLE_PLUGIN_AUTOLOAD=1``).
+
+A decision's answer is checked against the contract its docstring states where the adapter
+receives it (:mod:`grpo_patches.hook_contracts`): a broken one stops the run with one
+:class:`~grpo_patches.errors.HookContractError` naming the plugin and the rule, before it acts.
 """
 
 from __future__ import annotations
@@ -88,7 +92,9 @@ def grpo_filter_zero_advantage(
 ) -> "ZeroAdvantageFilter | None":
     """Choose the rows of one micro-batch to keep, with per-row loss weights.
 
-    A row is dropped only when every advantage of its unmasked tokens is exactly ``0.0``.
+    A row is dropped only when every advantage of its unmasked tokens is exactly ``0.0``; at
+    least one row is kept; ``keep`` is ascending without repeats; one finite weight ``>= 0`` per
+    kept row (checked: :mod:`grpo_patches.hook_contracts`).
     The weights are chosen so that computing the framework's own aggregation on the kept
     rows, with each kept row's per-token loss multiplied by its weight, gives the loss and
     gradient of the full micro-batch: every kept row keeps its original denominator.

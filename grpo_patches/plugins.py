@@ -8,6 +8,7 @@ import threading
 import pluggy
 
 from grpo_patches import hookspecs
+from grpo_patches.hook_contracts import CheckedHooks
 
 #: Set to any non-empty value other than ``0`` to skip loading ``grpo_patches`` entry points.
 AUTOLOAD_ENV = "GRPO_PATCHES_DISABLE_PLUGIN_AUTOLOAD"
@@ -37,6 +38,7 @@ def plugin_manager() -> pluggy.PluginManager:
     return _pm
 
 
-def hook() -> pluggy.HookRelay:
-    """Shortcut for ``plugin_manager().hook``."""
-    return plugin_manager().hook
+def hook() -> CheckedHooks:
+    """``plugin_manager().hook`` with every decision hook's answer checked against its contract
+    (:mod:`grpo_patches.hook_contracts`): what adapters call."""
+    return CheckedHooks(plugin_manager())

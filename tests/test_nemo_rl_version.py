@@ -60,7 +60,10 @@ def test_the_real_source_tests_leave_torch_alone_without_a_source():
 
     import torch
 
+    from grpo_patches_testing import nemo_rl_cpu
+
+    zeros = torch.zeros
     sys.modules.pop("tests.compat_nemo_rl.test_real_loss", None)
     with pytest.raises(pytest.skip.Exception, match="no NeMo-RL source"):
         importlib.import_module("tests.compat_nemo_rl.test_real_loss")
-    assert not getattr(torch, "_grpo_patches_cpu_shim", False)
+    assert not nemo_rl_cpu.CPU_SHIM.active and torch.zeros is zeros

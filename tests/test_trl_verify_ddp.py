@@ -39,7 +39,7 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
     from grpo_patches import verify_log
     from grpo_patches.demo import tiny_model
     from grpo_patches.errors import ExactnessError
-    from tests.helpers.faulty_plugins import DropsANonZeroRow
+    from tests.helpers.faulty_plugins import DropsANonZeroRow, past_the_contract
     from grpo_patches_testing.trl_train import train
 
     outcomes: dict = {}
@@ -48,8 +48,9 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
         outcome = outcomes[scenario] = {}
         verify_log.reset("trl")
         try:
-            result = train(True, {"verify_every": 1}, steps=1, plugins=plugins, model_path=model_path,
-                           reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")
+            with past_the_contract():  # the planted fault breaks the filter's contract: verify mode is under test
+                result = train(True, {"verify_every": 1}, steps=1, plugins=plugins, model_path=model_path,
+                               reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")
             outcome["rows"] = [{k: v for k, v in row.items() if k.startswith("grpo_patches/verify/")}
                                for row in result.log_history if "loss" in row]
             outcome["verify"] = result.status["verify"]

@@ -54,7 +54,7 @@ def _verify(rank: int, port: int) -> dict:
 
     from grpo_patches_testing import nemo_rl_cpu as harness
     from tests.helpers import nemo_verify_cases as cases
-    from tests.helpers.faulty_plugins import DropsANonZeroRow
+    from tests.helpers.faulty_plugins import DropsANonZeroRow, past_the_contract
     from tests.helpers.nemo_worker_harness import batched, make_batch, max_grad_rel
 
     torch.set_num_threads(1)
@@ -72,7 +72,7 @@ def _verify(rank: int, port: int) -> dict:
 
     base = cases.train(tag, make, shard, None, gbs=16, mbs=2)
     verified = cases.train(tag, make, shard, {"zero_advantage_filter": True, "verify_every": 1}, gbs=16, mbs=2)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), past_the_contract():  # the planted fault breaks the filter's contract
         warnings.simplefilter("ignore")
         faulty = cases.train(tag, make, shard, {"zero_advantage_filter": True, "verify_every": 1,
                                                 "verify_action": "disable"}, gbs=16, mbs=2,

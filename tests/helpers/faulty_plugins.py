@@ -1,10 +1,20 @@
-"""Faulty hook plugins the verify tests plant: verify mode must catch each one."""
+"""Faulty hook plugins the verify tests plant: verify mode must catch each one.
+
+Their answers break the hook's contract, which :mod:`grpo_patches.hook_contracts` refuses where an
+adapter receives them; verify mode is the line behind it, for a fault no contract can see (a bug
+inside a filter, an adapter applying a plan wrongly). The verify tests plant them
+:func:`past_the_contract`, so that verify mode is the line under test.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
 import grpo_patches
+from grpo_patches import hook_contracts
 from grpo_patches.zero_advantage import ZeroAdvantageFilter, filter_zero_advantage
 
 
@@ -29,3 +39,13 @@ class DropsANonZeroRow:
         dropped = plan.keep[real[0]]
         return ZeroAdvantageFilter(plan.keep[kept], plan.weights[kept], plan.rows_dropped + 1,
                                    plan.tokens_dropped + int(mask[dropped].sum()), plan.padding_rows, plan.scale)
+
+
+@contextlib.contextmanager
+def past_the_contract(hook: str = "grpo_filter_zero_advantage") -> Iterator[None]:
+    """``hook``'s answers reach the adapter unchecked for the duration (verify mode must catch them)."""
+    check = hook_contracts.CONTRACTS.pop(hook)
+    try:
+        yield
+    finally:
+        hook_contracts.CONTRACTS[hook] = check

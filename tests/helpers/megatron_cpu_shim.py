@@ -4,7 +4,7 @@ megatron-core places every buffer on ``torch.cuda.current_device()`` (or ``devic
 forks a CUDA RNG state around tensor-parallel weight initialisation and dropout, and its
 bridges build Transformer Engine layers. On a CPU machine:
 
-* :class:`CudaToCpu`, a torch function mode, sends every ``"cuda"`` placement (``device=``,
+* the kit's CUDA-to-CPU mode (:func:`grpo_patches_testing.cpu_torch.cuda_to_cpu_mode`) sends every ``"cuda"`` placement (``device=``,
   ``.to("cuda")``, ``.cuda()``) to the CPU; ``torch.cuda.current_device()`` answers 0, which
   the mode maps to the CPU as well (so ``GlobalMemoryBuffer.get_tensor`` allocates there);
 * ``CudaRNGStatesTracker.fork`` is a no-op context and ``add`` remembers the name only (there is
@@ -14,7 +14,8 @@ bridges build Transformer Engine layers. On a CPU machine:
 * no CUDA extension is built (:func:`no_cuda_extension_builds`): megatron-core 0.15 compiles a
   unified-memory allocator with ``load_inline(with_cuda=True)`` when ``megatron.core`` is imported.
 
-Call :func:`install` before megatron-core builds anything.
+Call :func:`install` before megatron-core builds anything. Everything set goes through one
+:class:`grpo_patches_testing.cpu_torch.Rebinding` (:data:`SHIM`): :func:`uninstall` puts it back.
 """
 
 from __future__ import annotations
@@ -23,23 +24,12 @@ import contextlib
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from grpo_patches_testing.nemo_rl_cpu import cpu_device as _cpu  # "cuda", torch.device("cuda"), a device index -> the CPU
+from grpo_patches_testing import cpu_torch
 
-
-class CudaToCpu(TorchFunctionMode):
-    """Every CUDA placement of a torch call goes to the CPU."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if "device" in kwargs:
-            kwargs["device"] = _cpu(kwargs["device"])
-        if func is torch.Tensor.to:
-            args = tuple(_cpu(a) for a in args)
-        return func(*args, **kwargs)
+#: Everything this shim sets in the process (:func:`uninstall` puts it all back).
+SHIM = cpu_torch.Rebinding()
+_INSTALLED: list[bool] = []
 
 
 class _Stream:
@@ -61,32 +51,30 @@ class _Stream:
         return None
 
 
-_MODE: list[CudaToCpu] = []
-
-
 def install() -> None:
-    """Install the shim once per process (idempotent)."""
-    if _MODE:
+    """Install the shim once per process (idempotent; :func:`uninstall` undoes it)."""
+    if _INSTALLED:
         return
+    _INSTALLED.append(True)
     no_cuda_extension_builds()
-    mode = CudaToCpu()
-    mode.__enter__()  # for the whole process: megatron allocates at import, build and step time
-    _MODE.append(mode)
-    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    for name, value in (("current_device", 0), ("device_count", 1), ("synchronize", None), ("empty_cache", None),
-                        ("set_device", None), ("get_device_name", "cpu-shim"), ("memory_allocated", 0),
-                        ("max_memory_allocated", 0), ("memory_reserved", 0), ("max_memory_reserved", 0),
-                        ("reset_peak_memory_stats", None), ("manual_seed", None), ("manual_seed_all", None)):
-        setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    SHIM.enter(cpu_torch.cuda_to_cpu_mode())  # for the whole process: megatron allocates at import, build and step time
+    cpu_torch.cuda_is_identity(SHIM, torch, tensor=False)  # the mode answers Tensor.cuda
+    cpu_torch.answer_cuda_queries(SHIM, torch, (
+        "current_device", "device_count", "synchronize", "empty_cache", "set_device", "get_device_name",
+        "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
+        "manual_seed", "manual_seed_all"))
     stream = _Stream()
-    torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda *a, **k: stream  # type: ignore[assignment]
-    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    with contextlib.suppress(Exception):  # CUDA wheels have NVTX; keep it from touching a driver
-        torch.cuda.nvtx.range_push = lambda *a, **k: None
-        torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    SHIM.set(torch.cuda, "current_stream", lambda *a, **k: stream)
+    SHIM.set(torch.cuda, "default_stream", lambda *a, **k: stream)
+    SHIM.set(torch.cuda, "Stream", _Stream)
+    SHIM.set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    cpu_torch.nvtx_noops(SHIM, torch, always=True)  # CUDA wheels have NVTX; keep it from touching a driver
     _rng_tracker()
+
+
+def uninstall() -> None:
+    SHIM.undo()
+    _INSTALLED.clear()
 
 
 def no_cuda_extension_builds() -> None:
@@ -108,7 +96,7 @@ def no_cuda_extension_builds() -> None:
         return original(*args, **kwargs)
 
     load_inline._grpo_patches_no_cuda = True  # type: ignore[attr-defined]
-    cpp_extension.load_inline = load_inline
+    SHIM.set(cpp_extension, "load_inline", load_inline)
 
 
 def _rng_tracker() -> None:
@@ -124,8 +112,8 @@ def _rng_tracker() -> None:
         self.states_[name] = None
         self.seeds_.add(seed)
 
-    tracker.fork = fork
-    tracker.add = add
+    SHIM.set(tracker, "fork", fork)
+    SHIM.set(tracker, "add", add)
 
 
 def local_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
@@ -146,8 +134,8 @@ def mbridge_model_type() -> None:
     from mbridge.core import util as mbridge_util
 
     if not hasattr(mbridge_util.ModelType, "encoder_and_decoder"):
-        mbridge_util.ModelType = types.SimpleNamespace(encoder_or_decoder=mbridge_util.ModelType.encoder_or_decoder,
-                                                       encoder_and_decoder=object())
+        SHIM.set(mbridge_util, "ModelType", types.SimpleNamespace(
+            encoder_or_decoder=mbridge_util.ModelType.encoder_or_decoder, encoder_and_decoder=object()))
 
 
 def mbridge_local_layers() -> None:
@@ -160,7 +148,7 @@ def mbridge_local_layers() -> None:
         self.has_vp_stage = True
         return local_layer_spec(self.config, vp_stage)
 
-    LLMBridge._get_transformer_layer_spec = _get_transformer_layer_spec
+    SHIM.set(LLMBridge, "_get_transformer_layer_spec", _get_transformer_layer_spec)
     _te_weight_names(LLMBridge)
     _causal_local_attention()
 
@@ -194,7 +182,7 @@ def _causal_local_attention() -> None:
         return original(self, query, key, value, attention_mask, *args, **kwargs)
 
     forward._grpo_patches_causal = True  # type: ignore[attr-defined]
-    DotProductAttention.forward = forward
+    SHIM.set(DotProductAttention, "forward", forward)
 
 
 def _packed_causal_mask(packed: Any, tokens: int) -> torch.Tensor:
@@ -234,4 +222,4 @@ def _te_weight_names(bridge_class: type) -> None:
             return _original(self, _te_name(name), *args, **kwargs)
 
         renamed._grpo_patches_te_names = True  # type: ignore[attr-defined]
-        setattr(bridge_class, method, renamed)
+        SHIM.set(bridge_class, method, renamed)

@@ -18,7 +18,7 @@ import torch
 import grpo_patches
 from grpo_patches import plugin_manager, savings, verify_log
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning
-from tests.helpers.faulty_plugins import DropsANonZeroRow
+from tests.helpers.faulty_plugins import DropsANonZeroRow, past_the_contract
 from tests.helpers.nemo_worker_harness import ZERO_ROWS, batched, make_batch, make_loss, max_grad_rel, run_train, summed
 
 TOL = 1e-6
@@ -104,7 +104,7 @@ def bf16_is_held_to_the_noise_floor(tag: str, factory: Factory, record_property:
     floor = train(tag, half, dense, options, gbs=6, mbs=3).metrics[verify.NOISE_METRIC][0]
     record_property("bf16_verify_noise_floor_dense", floor)
     assert floor > 0.0
-    with pytest.raises(ExactnessError) as caught:
+    with past_the_contract(), pytest.raises(ExactnessError) as caught:
         train(tag, half, batch, options, gbs=6, mbs=2, plugins=(DropsANonZeroRow(),))
     record_property("bf16_verify_faulty_grad_rel_diff", caught.value.measured)
     assert caught.value.measured > caught.value.tolerance and caught.value.tolerance < eps_fallback
@@ -112,7 +112,7 @@ def bf16_is_held_to_the_noise_floor(tag: str, factory: Factory, record_property:
 
 def faulty_filter_raises(tag: str, factory: Factory) -> None:
     plugin = DropsANonZeroRow()
-    with pytest.raises(ExactnessError) as caught:
+    with past_the_contract(), pytest.raises(ExactnessError) as caught:
         train(tag, factory, on_policy_batch(tag, factory), {"zero_advantage_filter": True, "verify_every": 5}, gbs=6, mbs=2,
               plugins=(plugin,))
     err = caught.value
@@ -126,7 +126,8 @@ def faulty_filter_disable_ends_as_unpatched(tag: str, factory: Factory, record_p
     batch = on_policy_batch(tag, factory)
     base = train(tag, factory, batch, None, gbs=6, mbs=2)
     plugin = DropsANonZeroRow()
-    with pytest.warns(GrpoPatchesWarning, match="zero_advantage_filter switched off by verification at step 0"):
+    with past_the_contract(), pytest.warns(GrpoPatchesWarning,
+                                           match="zero_advantage_filter switched off by verification at step 0"):
         got = train(tag, factory, batch, {"zero_advantage_filter": True, "verify_every": 10,
                                           "verify_action": "disable"}, gbs=6, mbs=2, plugins=(plugin,))
     diff = max_grad_rel(got, base)

@@ -17,8 +17,7 @@ import sys
 import types
 from typing import Any
 
-from grpo_patches_testing import skip
-from grpo_patches_testing.nemo_rl_startup.nemo_e2e_cpu import cpu_device  # one CUDA -> CPU map for both shims
+from grpo_patches_testing import cpu_torch, skip
 
 TAG_ENV = "NEMO_RL_TAG"
 
@@ -33,39 +32,26 @@ def tag() -> str:
     return {"0.5": "v0.5.0", "0.6": "v0.6.0", "0.7": "v0.7.0", "0.8": "main"}[f"{version.major}.{version.minor}"]
 
 
+#: The CPU shim of this process (:func:`install_cpu_shim`), undone by :func:`uninstall_cpu_shim`.
+CPU_SHIM = cpu_torch.Rebinding()
+
+
 def install_cpu_shim() -> None:
+    """Every ``"cuda"`` placement on the CPU and CUDA queries answered (once per process; undoable)."""
     import torch
 
-    if getattr(torch, "_grpo_patches_cpu_shim", False):
+    if CPU_SHIM.active:
         return
-    torch._grpo_patches_cpu_shim = True
+    cpu_torch.factories_on_cpu(CPU_SHIM, torch)
+    cpu_torch.cuda_is_identity(CPU_SHIM, torch)
+    cpu_torch.answer_cuda_queries(CPU_SHIM, torch, ("empty_cache", "synchronize", "get_device_name", "current_device",
+                                                    "reset_peak_memory_stats", "max_memory_allocated",
+                                                    "memory_allocated"))
+    cpu_torch.nvtx_noops(CPU_SHIM, torch)  # CPU wheels lack NVTX; v0.5.0's @wrap_with_nvtx_name calls it
 
-    def fix(fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if "device" in kwargs:
-                kwargs["device"] = cpu_device(kwargs["device"])
-            return fn(*args, **kwargs)
 
-        return wrapper
-
-    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like",
-                 "full_like", "rand", "randn", "randint", "as_tensor", "linspace"):
-        setattr(torch, name, fix(getattr(torch, name)))
-    to = torch.Tensor.to
-    torch.Tensor.to = lambda self, *a, **k: to(self, *[cpu_device(x) for x in a],
-                                               **{n: cpu_device(v) if n == "device" else v for n, v in k.items()})
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.nn.Module.cuda = lambda self, *a, **k: self
-    for name, value in (("empty_cache", None), ("synchronize", None), ("get_device_name", "cpu-shim"),
-                        ("current_device", 0), ("reset_peak_memory_stats", None), ("max_memory_allocated", 0),
-                        ("memory_allocated", 0)):
-        setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
-    try:  # CPU wheels lack NVTX; v0.5.0's @wrap_with_nvtx_name calls it
-        torch.cuda.nvtx.range_push("probe")
-        torch.cuda.nvtx.range_pop()
-    except Exception:  # noqa: BLE001
-        torch.cuda.nvtx.range_push = lambda *a, **k: None
-        torch.cuda.nvtx.range_pop = lambda *a, **k: None
+def uninstall_cpu_shim() -> None:
+    CPU_SHIM.undo()
 
 
 def stub_megatron() -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_patches_testing import skip
+from grpo_patches_testing import cpu_torch, skip
 
 #: The DeepSpeed op open-instruct's set-up builds on first use (a killed build leaves a lock file
 #: behind and hangs every later run): built once into the venv, see compat/README.md.
@@ -405,47 +405,12 @@ def cpu_stand_ins(config: Config, ds_owner: Any) -> list[tuple[Any, str, Any]]:
 @contextlib.contextmanager
 def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
     """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
-    saved: list[tuple[Any, str, Any]] = []
-    missing = object()
+    shim = cpu_torch.Rebinding()
     for owner, name, value in cpu_stand_ins(config, grpo_fast):
-        saved.append((owner, name, vars(owner).get(name, missing)))  # a class: its own attribute, or none
-        setattr(owner, name, value)
-    try:
-        with CpuPlacements():
-            yield
-    finally:
-        for owner, name, value in reversed(saved):
-            if value is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-
-def _cpu(device: Any) -> Any:
-    import torch
-
-    if (isinstance(device, int) and not isinstance(device, bool)) or (
-            isinstance(device, (str, torch.device)) and "cuda" in str(device)):
-        return torch.device("cpu")
-    return device
-
-
-class CpuPlacements:
-    """A torch function mode sending ``device=cuda...`` / ``.to(cuda...)`` to the CPU."""
-
-    def __new__(cls) -> Any:
-        from torch.overrides import TorchFunctionMode
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                kwargs = dict(kwargs or {})
-                if "device" in kwargs:
-                    kwargs["device"] = _cpu(kwargs["device"])
-                if getattr(func, "__name__", "") == "to" and len(args) > 1:  # Tensor.to(device, ...)
-                    args = (args[0], _cpu(args[1]), *args[2:])
-                return func(*args, **kwargs)
-
-        return Mode()
+        shim.set(owner, name, value)
+    with shim:
+        shim.enter(cpu_torch.cuda_to_cpu_mode())
+        yield
 
 
 def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, result: Result) -> list[Any]:

@@ -18,6 +18,11 @@ import types
 
 import torch
 
+from grpo_patches_testing import cpu_torch
+
+#: What :func:`install` sets outside verl's own registries (:func:`uninstall` puts it back).
+SHIM = cpu_torch.Rebinding()
+
 
 def _device_module() -> types.SimpleNamespace:
     # the torch.<device> calls verl makes outside offload paths
@@ -55,7 +60,7 @@ def _install_08() -> None:
 
     for name, fn in vars(_device_module()).items():  # the torch.cuda calls torch.cpu lacks
         if fn is not None and not hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, fn)
+            SHIM.set(torch.cpu, name, fn)
     # unpadding imports flash_attn.bert_padding off NPU: its pure-torch twin (verl's NPU copy) stands in
     try:
         from verl.utils import npu_flash_attn_utils as pure
@@ -68,7 +73,8 @@ def _install_08() -> None:
         for name in ("index_first_axis", "pad_input", "rearrange", "unpad_input"):
             setattr(padding, name, getattr(pure, name))
         package.bert_padding = padding
-        sys.modules.update({"flash_attn": package, "flash_attn.bert_padding": padding})
+        SHIM.set_item(sys.modules, "flash_attn", package)
+        SHIM.set_item(sys.modules, "flash_attn.bert_padding", padding)
     for backends in EngineRegistry._engines.values():
         for devices in backends.values():
             if "cuda" in devices:
@@ -153,4 +159,12 @@ def install(ray_resource: str = "CPU") -> None:
             return None
 
     set_platform(PlatformCPU())
-    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # pick the FSDP engine classes
+    if "VERL_ENGINE_DEVICE" not in os.environ:
+        SHIM.set_item(os.environ, "VERL_ENGINE_DEVICE", "cuda")  # pick the FSDP engine classes
+
+
+def uninstall() -> None:
+    """Undo what :func:`install` set in torch, ``sys.modules`` and the environment. What it registered
+    with verl (the CPU platform, the engines' ``cpu`` entries) is verl's state for the process: it
+    selects nothing once verl is asked for another platform."""
+    SHIM.undo()

@@ -23,6 +23,10 @@ concerned (``wrapt`` post-import hooks):
   and peak RSS, whether grpo_patches is importable there and that process's
   ``grpo_patches.status()``, the loss of each optimizer step); the driver writes its own
   ``status()`` at exit.
+
+Every attribute these hooks set goes through one ``grpo_patches_testing.cpu_torch.Rebinding``
+(the CUDA part is the kit's one shim, :mod:`grpo_patches_testing.cpu_torch`): :func:`uninstall`
+puts back what was there.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import atexit
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 DATA_ENV = "GRPO_PATCHES_E2E_DATA"
@@ -56,51 +61,41 @@ def install() -> None:
 # ---------------------------------------------------------------- CUDA -> CPU
 
 
-def cpu_device(device: Any) -> Any:
-    import torch
+def _cpu_torch_module() -> Any:
+    """The kit's one CUDA-to-CPU shim; in a Ray worker's own venv the kit is not installed: its folder is two up."""
+    try:
+        from grpo_patches_testing import cpu_torch
+    except ImportError:
+        sys.path.append(str(Path(__file__).resolve().parents[2]))
+        from grpo_patches_testing import cpu_torch
+    return cpu_torch
 
-    if isinstance(device, str) and device.startswith("cuda"):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    if isinstance(device, int) and not isinstance(device, bool):
-        return "cpu"
-    return device
+
+_SHIM: list[Any] = []  # this process's Rebinding (undone by :func:`uninstall`)
+
+
+def _rebinding() -> Any:
+    if not _SHIM:
+        _SHIM.append(_cpu_torch_module().Rebinding())
+    return _SHIM[0]
+
+
+def uninstall() -> None:
+    """Undo what the post-import hooks changed in this process."""
+    if _SHIM:
+        _SHIM[0].undo()
 
 
 def _cpu_torch(torch: Any) -> None:
     import functools
 
-    def on_cpu(fn: Any) -> Any:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if "device" in kwargs:
-                kwargs["device"] = cpu_device(kwargs["device"])
-            kwargs.pop("pin_memory", None)
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like",
-                 "full_like", "rand", "randn", "randint", "as_tensor", "linspace", "empty_strided"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
-    to = torch.Tensor.to
-    torch.Tensor.to = lambda self, *a, **k: to(self, *[cpu_device(x) for x in a],
-                                               **{n: cpu_device(v) if n == "device" else v for n, v in k.items()})
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.Tensor.pin_memory = lambda self, *a, **k: self
-    torch.nn.Module.cuda = lambda self, *a, **k: self
-    for name, value in (("empty_cache", None), ("synchronize", None), ("get_device_name", "cpu (e2e stand-in)"),
-                        ("current_device", 0), ("set_device", None), ("reset_peak_memory_stats", None),
-                        ("max_memory_allocated", 0), ("memory_allocated", 0), ("memory_reserved", 0),
-                        ("max_memory_reserved", 0), ("mem_get_info", (8 << 30, 8 << 30))):
-        setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
-    try:  # NVTX ranges (NeMo-RL's @wrap_with_nvtx_name) need a CUDA build with NVTX
-        torch.cuda.nvtx.range_push("probe")
-        torch.cuda.nvtx.range_pop()
-    except Exception:  # noqa: BLE001
-        torch.cuda.nvtx.range_push = lambda *a, **k: None
-        torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    cpu_torch, shim = _cpu_torch_module(), _rebinding()
+    cpu_torch.factories_on_cpu(shim, torch, drop_pin_memory=True)
+    cpu_torch.cuda_is_identity(shim, torch, pin_memory=True)
+    cpu_torch.answer_cuda_queries(shim, torch, (
+        "empty_cache", "synchronize", "get_device_name", "current_device", "set_device", "reset_peak_memory_stats",
+        "max_memory_allocated", "memory_allocated", "memory_reserved", "max_memory_reserved", "mem_get_info"))
+    cpu_torch.nvtx_noops(shim, torch)  # NeMo-RL's @wrap_with_nvtx_name needs a CUDA build with NVTX
     import torch.distributed as dist
 
     init = dist.init_process_group
@@ -113,7 +108,7 @@ def _cpu_torch(torch: Any) -> None:
             args = ("gloo", *args[1:])
         return init(*args, **kwargs)
 
-    dist.init_process_group = init_process_group
+    shim.set(dist, "init_process_group", init_process_group)
 
 
 def _cpu_device_mesh(module: Any) -> None:
@@ -125,7 +120,7 @@ def _cpu_device_mesh(module: Any) -> None:
     def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
         return original("cpu" if device_type.startswith("cuda") else device_type, *args, **kwargs)
 
-    module.init_device_mesh = init_device_mesh
+    _rebinding().set(module, "init_device_mesh", init_device_mesh)
 
 
 def _rope_from_config(setup: Any) -> None:
@@ -156,7 +151,7 @@ def _rope_from_config(setup: Any) -> None:
                           file=sys.stderr, flush=True)
         return state
 
-    setup.setup_model_and_optimizer = setup_model_and_optimizer
+    _rebinding().set(setup, "setup_model_and_optimizer", setup_model_and_optimizer)
 
 
 # ---------------------------------------------------------------- generation stand-in
@@ -245,8 +240,8 @@ def _no_refit(*args: Any, **kwargs: Any) -> dict[str, float]:
 
 
 def _cpu_generation(grpo: Any) -> None:
-    grpo.VllmGeneration = CpuGeneration
-    grpo.refit_policy_generation = _no_refit
+    _rebinding().set(grpo, "VllmGeneration", CpuGeneration)
+    _rebinding().set(grpo, "refit_policy_generation", _no_refit)
 
 
 # ---------------------------------------------------------------- observation
@@ -311,7 +306,7 @@ def _observe_data(module: Any) -> None:
                 _save_weights(worker, 0)
         return original(*args, **kwargs)
 
-    module.process_global_batch = process_global_batch
+    _rebinding().set(module, "process_global_batch", process_global_batch)
 
 
 def _observe_train(module: Any) -> None:
@@ -342,7 +337,7 @@ def _observe_train(module: Any) -> None:
                                  "grpo_patches": _grpo_patches_report()})
         return result
 
-    module.aggregate_training_statistics = aggregate_training_statistics
+    _rebinding().set(module, "aggregate_training_statistics", aggregate_training_statistics)
 
 
 def _dump_driver_status() -> None:

@@ -155,7 +155,7 @@ def _learner_process() -> None:
     import torch.distributed as dist
     from open_instruct import data_types, utils
 
-    from grpo_patches_testing.open_instruct_cpu import CpuPlacements
+    from grpo_patches_testing import cpu_torch
     from grpo_patches_testing.open_instruct_startup import run_records
 
     if run_records.LEARNER is not None:  # once per process
@@ -171,5 +171,5 @@ def _learner_process() -> None:
         return real_init(*args, **kwargs)
 
     dist.init_process_group = init_process_group
-    CpuPlacements().__enter__()  # for good: the actor's methods all run on this thread
+    cpu_torch.cuda_to_cpu_mode().__enter__()  # for good: the actor's methods all run on this thread
     run_records.observe_learner(deepspeed, data_types, utils)
