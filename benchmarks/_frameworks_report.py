@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-NAMES = {"trl": "TRL", "verl": "verl", "verl_v1": "verl", "nemo_rl": "NeMo-RL"}
+NAMES = {"trl": "TRL", "verl": "verl", "verl_v1": "verl", "nemo_rl": "NeMo-RL", "open_instruct": "open-instruct"}
 
 
 def _pair(values: list[Any], fmt: str = "{}") -> str:

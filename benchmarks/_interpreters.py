@@ -5,9 +5,11 @@ else. Otherwise the candidates are the interpreter running ``frameworks.py`` (th
 ``.venv`` through ``bash scripts/run frameworks``) and every compat venv (``compat/.nox/*``,
 made by ``bash scripts/run compat``); each is asked which framework versions it holds, and the
 **newest version that the adapter supports and the runner runs** wins (a tie goes to the
-earlier candidate). NeMo-RL is not installed but exported from a clone (``$NEMO_RL_SRC``), one
-tag per interpreter: its candidates are the matrix's tags, each with the compat venv of its
-cell (``compat/.nox/cpu-nemo_rl-<tag>``), newest tag first, or the tag ``--nemo-rl-tag`` names.
+earlier candidate). NeMo-RL and open-instruct are not installed but exported from a clone
+(``$NEMO_RL_SRC``, ``$OPEN_INSTRUCT_SRC``: :data:`SOURCE_CHECKOUTS`), one tag per interpreter: their
+candidates are the matrix's tags, each with the compat venv of its cell
+(``compat/.nox/cpu-<name>-<tag>``), newest tag first, or the tag ``--nemo-rl-tag`` /
+``--open-instruct-tag`` names.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: a runner asked for another answers "not run". verl: the legacy worker line (verl_v1: the engine
 #: line through main_ppo's V1 trainer, 0.9+); NeMo-RL: v0.6.0 (in-process), v0.7.0 and main (run_grpo.py;
 #: v0.5.0 needs its own worker environment).
-RUNS = {"trl": "", "verl": "<0.8", "verl_v1": ">=0.9", "nemo_rl": ">=0.6.0"}
+RUNS = {"trl": "", "verl": "<0.8", "verl_v1": ">=0.9", "nemo_rl": ">=0.6.0", "open_instruct": ""}
+#: Frameworks run from a clone, exported per tag onto ``PYTHONPATH``: name -> the variable naming the clone.
+SOURCE_CHECKOUTS = {"nemo_rl": "NEMO_RL_SRC", "open_instruct": "OPEN_INSTRUCT_SRC"}
 #: Distribution whose version the probe reads (NeMo-RL's comes from the tag instead).
 DISTRIBUTIONS = {"trl": "trl", "verl": "verl", "verl_v1": "verl"}
 
@@ -48,7 +52,7 @@ class Interpreter:
     python: str
     origin: str  # where it came from, printed and written into the report
     version: str | None  # the framework's version there (None: not installed)
-    tag: str | None = None  # NeMo-RL: the tag exported onto its PYTHONPATH
+    tag: str | None = None  # a framework run from a clone: the tag exported onto its PYTHONPATH
 
 
 def shown(path: str | Path, root: Path = ROOT) -> str:
@@ -104,13 +108,13 @@ def candidates(name: str, given: dict[str, str], tags: list[tuple[str, str]], ch
     """Every interpreter that could run ``name``, in preference order.
 
     :param given: ``--python`` choices (NAME -> PATH); ``$GRPO_BENCH_PYTHON_<NAME>`` is read here.
-    :param tags: NeMo-RL's matrix tags as (tag, the version the adapter reads from it).
-    :param chosen_tag: NeMo-RL's ``--nemo-rl-tag`` / ``$NEMO_RL_TAG`` (None: every tag).
+    :param tags: a clone-run framework's matrix tags as (tag, the version the adapter reads from it).
+    :param chosen_tag: its ``--nemo-rl-tag`` / ``--open-instruct-tag`` (None: every tag).
     """
     variable = f"GRPO_BENCH_PYTHON_{name.upper()}"
     explicit = ((given[name], "--python") if name in given else
                 (os.environ[variable], f"${variable}") if os.environ.get(variable) else None)
-    if name == "nemo_rl":
+    if name in SOURCE_CHECKOUTS:
         out = []
         for tag, version in tags:
             if chosen_tag not in (None, tag):
@@ -118,7 +122,7 @@ def candidates(name: str, given: dict[str, str], tags: list[tuple[str, str]], ch
             if explicit:
                 out.append(Interpreter(explicit[0], f"{explicit[1]}, tag {tag}", version, tag))
             else:
-                venv = root / "compat" / ".nox" / nox_dir(f"cpu-nemo_rl-{tag}") / "bin" / "python"
+                venv = root / "compat" / ".nox" / nox_dir(f"cpu-{name}-{tag}") / "bin" / "python"
                 if venv.exists():
                     out.append(Interpreter(str(venv), f"compat venv {shown(venv.parent.parent, root)}", version, tag))
         return out

@@ -29,8 +29,9 @@ and written into the report. NeMo-RL runs from the clones in ``$NEMO_RL_SRC`` /
 ``$AUTOMODEL_SRC``: a tag (``--nemo-rl-tag``, else ``$NEMO_RL_TAG``, else the newest the
 runner runs that has an interpreter) is exported from them by compat/sources.py onto its
 ``PYTHONPATH``; its interpreter is that tag's compat venv (``NEMO_RL_SRC=... AUTOMODEL_SRC=...
-bash scripts/run compat nemo_rl --install-only`` makes them). A framework that is not found
-becomes a "not run" row with the reason.
+bash scripts/run compat nemo_rl --install-only`` makes them); open-instruct likewise from ``$OPEN_INSTRUCT_SRC``
+(``--open-instruct-tag``; its cells' venvs, or ``GRPO_BENCH_PYTHON_OPEN_INSTRUCT``). A framework that is not
+found becomes a "not run" row with the reason.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ from _frameworks_summary import summarise  # noqa: E402,F401  (frameworks.summar
 
 #: Runners that take ``spec["verify_every"]`` (``--verify``; TRL's verify cost: ``trl_step.py --verify``).
 VERIFY_RUNNERS = ("nemo_rl",)
-FRAMEWORKS = {"trl": "trl", "verl": "verl", "verl_v1": "verl", "nemo_rl": "nemo_rl"}  # name -> module the interpreter must import
+FRAMEWORKS = {"trl": "trl", "verl": "verl", "verl_v1": "verl", "nemo_rl": "nemo_rl",
+              "open_instruct": "open_instruct"}  # name -> module the interpreter must import
 #: A runner's adapter when it is another name's (verl_v1: verl 0.9+ through main_ppo).
 ADAPTERS = {"verl_v1": "verl"}
 #: What this process needs itself (the runs have their own interpreters): the project's packages.
@@ -81,25 +83,28 @@ def ensure_project_interpreter(python: str = sys.executable) -> None:
                      "`bash scripts/run frameworks [args]`, which creates .venv on first use")
 
 
-def nemo_rl_tags() -> list[tuple[str, str]]:
-    """NeMo-RL's tags in the compat matrix with the version the adapter reads from each, newest first."""
+def matrix_tags(name: str) -> list[tuple[str, str]]:
+    """A clone-run framework's tags in the compat matrix with the version the adapter reads from each, newest first."""
     from packaging.version import Version
 
     sys.path.insert(0, str(ROOT / "compat"))
     import matrix
 
-    cells = [c for c in matrix.load() if c.framework == "nemo_rl"]
+    cells = [c for c in matrix.load() if c.framework == name]
     return sorted(((c.version, c.adapter_version) for c in cells), key=lambda t: Version(t[1]), reverse=True)
 
 
-def find_python(name: str, given: dict[str, str], nemo_rl_tag: str | None = None) -> tuple[Any, str]:
+def find_python(name: str, given: dict[str, str], tag: str | None = None) -> tuple[Any, str]:
     """The interpreter for ``name`` (an :class:`_interpreters.Interpreter`, or None) and where it
-    came from (or why there is none). The chosen one must import grpo_patches and the framework."""
+    came from (or why there is none). The chosen one must import grpo_patches and the framework.
+    ``tag``: a clone-run framework's tag (``--nemo-rl-tag``, ``--open-instruct-tag``)."""
     from grpo_patches import registry
 
-    if name == "nemo_rl" and not os.environ.get("NEMO_RL_SRC"):
-        return None, "no NeMo-RL checkout: set NEMO_RL_SRC (and AUTOMODEL_SRC) to clones (compat/README.md)"
-    pool = interpreters.candidates(name, given, nemo_rl_tags() if name == "nemo_rl" else [], nemo_rl_tag, ROOT)
+    variable = interpreters.SOURCE_CHECKOUTS.get(name)
+    if variable and not os.environ.get(variable):
+        extra = " (and AUTOMODEL_SRC)" if name == "nemo_rl" else ""
+        return None, f"no {report.NAMES.get(name, name)} checkout: set {variable}{extra} to a clone (compat/README.md)"
+    pool = interpreters.candidates(name, given, matrix_tags(name) if variable else [], tag, ROOT)
     reasons = []
     while True:
         chosen, why = interpreters.choose(name, pool, registry.get(ADAPTERS.get(name, name)).supported)
@@ -124,8 +129,9 @@ def _env(name: str | None = None, tag: str | None = None) -> dict[str, str]:
 
 
 def _source_path(name: str | None, tag: str | None) -> list[str]:
-    """``PYTHONPATH`` entries of a framework run from a source checkout (NeMo-RL: the tag's export)."""
-    if name != "nemo_rl" or tag is None or not os.environ.get("NEMO_RL_SRC"):
+    """``PYTHONPATH`` entries of a framework run from a source checkout (the tag's export)."""
+    variable = interpreters.SOURCE_CHECKOUTS.get(name or "")
+    if variable is None or tag is None or not os.environ.get(variable):
         return []
     sys.path.insert(0, str(ROOT / "compat"))
     import matrix
@@ -133,7 +139,7 @@ def _source_path(name: str | None, tag: str | None) -> list[str]:
 
     cell = next((c for c in matrix.load() if c.framework == name and c.version == tag), None)
     if cell is None:
-        raise SystemExit(f"--nemo-rl-tag {tag}: not a NeMo-RL tag of compat/matrix.toml")
+        raise SystemExit(f"{tag}: not a {report.NAMES.get(name, name)} tag of compat/matrix.toml")
     return [str(p) for p in sources.prepare_source(cell)]
 
 
@@ -170,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         " Each framework runs in the interpreter holding the newest version its adapter supports and its runner "
         "runs, among the project's .venv and the compat venvs (compat/.nox/), unless --python names one."))
     p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS),
-                   help="which frameworks (default: all of them: trl, verl (legacy line), verl_v1 (main_ppo), nemo_rl; those without an interpreter become 'not run' rows)")
+                   help="which frameworks (default: all of them: trl, verl (legacy line), verl_v1 (main_ppo), nemo_rl, "
+                        "open_instruct; those without an interpreter become 'not run' rows)")
     p.add_argument("--python", nargs="+", default=[], metavar="NAME=PATH",
                    help="a framework's interpreter, e.g. verl=compat/.nox/cpu-verl-0-7-1/bin/python (default: "
                         "$GRPO_BENCH_PYTHON_<NAME>, else the newest supported version found)")
@@ -197,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nemo-rl-tag", default=os.environ.get("NEMO_RL_TAG"),
                    help="the NeMo-RL tag to export from $NEMO_RL_SRC (default: $NEMO_RL_TAG, else the newest tag "
                         "the runner runs that has an interpreter)")
+    p.add_argument("--open-instruct-tag", default=os.environ.get("OPEN_INSTRUCT_TAG"),
+                   help="the open-instruct ref to export from $OPEN_INSTRUCT_SRC (default: $OPEN_INSTRUCT_TAG, else "
+                        "the newest the matrix has an interpreter for)")
     args = p.parse_args(argv)
     given = {name: os.path.abspath(path) for name, path in (item.split("=", 1) for item in args.python)}
     spec = {**workload.SPEC, **(workload.QUICK if args.quick else {})}
@@ -206,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mini-batches {args.mini_batches}: must divide the {spec['prompts']} prompts of a rollout batch")
     spec.update(mini_batches=args.mini_batches, variable_lengths=args.variable_lengths)
     rounds = 1 if args.quick else args.rounds
-    pythons = {name: find_python(name, given, args.nemo_rl_tag) for name in args.frameworks}
+    tags = {"nemo_rl": args.nemo_rl_tag, "open_instruct": args.open_instruct_tag}
+    pythons = {name: find_python(name, given, tags.get(name)) for name in args.frameworks}
     for name, (python, origin) in pythons.items():
         print(f"{name}: {python.version} from {origin}" if python else f"{name}: not run: {origin}", flush=True)
     active = [name for name, (python, _) in pythons.items() if python]
@@ -249,7 +260,8 @@ def command_line(argv: list[str]) -> str:
             value = interpreters.shown(os.path.expanduser(value))
         return f"{name}{sep}{value}"
 
-    variables = " ".join(f"{v}=<clone>" for v in ("NEMO_RL_SRC", "AUTOMODEL_SRC") if os.environ.get(v))
+    variables = " ".join(f"{v}=<clone>" for v in ("NEMO_RL_SRC", "AUTOMODEL_SRC", "OPEN_INSTRUCT_SRC", "OLMO_CORE_SRC")
+                         if os.environ.get(v))
     return " ".join(filter(None, [variables, "bash scripts/run frameworks", *map(portable, argv)]))
 
 

@@ -24,6 +24,7 @@ BUILTIN: dict[str, str] = {
     "trl": "grpo_patches.adapters.trl",
     "verl": "grpo_patches.adapters.verl",
     "nemo_rl": "grpo_patches.adapters.nemo_rl",
+    "open_instruct": "grpo_patches.adapters.open_instruct",
 }
 
 #: Entry-point group through which other distributions declare adapters (``name = module:ADAPTER``).

@@ -24,34 +24,19 @@ import report  # noqa: E402
 
 CELLS = matrix.load()
 FRAMEWORKS = sorted({c.framework for c in CELLS})
-#: Frameworks whose cells run the framework's own code before their adapter exists: no supported
-#: range to check yet. Each entry says why; remove it with the adapter's first commit.
-NO_ADAPTER_YET = {
-    "open_instruct": "issue 30: its cells run open-instruct's real learner unpatched (the baseline the adapter "
-                     "will be proven against); the adapter comes on issue 29's new adapter shape",
-}
-
-
-def _adapter(framework: str):
-    if framework in NO_ADAPTER_YET:
-        pytest.skip(f"{framework} has no adapter yet: {NO_ADAPTER_YET[framework]}")
-    return registry.get(framework)
-
-
 def _versions(framework: str) -> list[Version]:
     """The versions the adapter sees in the tested cells (a source's ``reads_as`` where set)."""
     return [Version(c.adapter_version) for c in CELLS if c.framework == framework]
 
 
 def test_every_builtin_framework_has_cells():
-    assert set(FRAMEWORKS) - set(NO_ADAPTER_YET) <= set(registry.BUILTIN)
-    assert not set(NO_ADAPTER_YET) & set(registry.BUILTIN), "an adapter exists: drop it from NO_ADAPTER_YET"
+    assert set(FRAMEWORKS) <= set(registry.BUILTIN)
     assert "trl" in FRAMEWORKS
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_tested_versions_lie_in_the_supported_range_and_cover_its_lower_bound(framework):
-    adapter = _adapter(framework)
+    adapter = registry.get(framework)
     supported = SpecifierSet(adapter.supported)
     versions = _versions(framework)
     for version in versions:
@@ -62,7 +47,7 @@ def test_tested_versions_lie_in_the_supported_range_and_cover_its_lower_bound(fr
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_every_patch_record_exists_for_a_tested_version(framework):
-    adapter = _adapter(framework)
+    adapter = registry.get(framework)
     versions = _versions(framework)
     for record in adapter.patches:
         assert any(record.applies_to(v) for v in versions), f"{record.name} ({record.versions}) is never tested"

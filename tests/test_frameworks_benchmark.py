@@ -121,13 +121,26 @@ def test_nemo_rl_runs_the_newest_tag_that_has_a_venv(fake_checkout, monkeypatch)
     assert python is None and "set NEMO_RL_SRC" in why
 
 
+def test_open_instruct_runs_from_its_clone_in_its_cells_venv(fake_checkout, monkeypatch):
+    """open-instruct, like NeMo-RL, is exported per ref from a clone: its candidates are its cells' venvs."""
+    tags = frameworks.matrix_tags("open_instruct")
+    assert [tag for tag, _ in tags] == ["main", "v0.3.0"]  # newest first (main reads as 0.3.1.dev0)
+    _fake_venv(fake_checkout, "cpu-open_instruct-v0-3-0", {})
+    pool, (chosen, origin) = _choose("open_instruct", fake_checkout, tags=tags)
+    assert chosen.tag == "v0.3.0" and origin == "compat venv compat/.nox/cpu-open_instruct-v0-3-0"
+    monkeypatch.delenv("OPEN_INSTRUCT_SRC", raising=False)
+    python, why = frameworks.find_python("open_instruct", {})
+    assert python is None and "no open-instruct checkout: set OPEN_INSTRUCT_SRC" in why
+
+
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         frameworks.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for default in ("(default: 5, the README's run)", "(default: 1800)", "(default: benchmarks/results)",
                     f"(default: {workload.SPEC['steps']})", "(default: $NEMO_RL_TAG, else the newest tag",
-                    "(default: all of them: trl, verl (legacy line), verl_v1 (main_ppo), nemo_rl;", "(default: $GRPO_BENCH_PYTHON_<NAME>, else the newest supported"):
+                    "(default: all of them: trl, verl (legacy line), verl_v1 (main_ppo), nemo_rl, open_instruct;",
+                    "(default: $OPEN_INSTRUCT_TAG, else", "(default: $GRPO_BENCH_PYTHON_<NAME>, else the newest supported"):
         assert default in text, default
     assert "3 rounds" not in frameworks.__doc__
 

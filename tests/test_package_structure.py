@@ -260,7 +260,8 @@ def test_the_checkers_see_a_context_var_and_a_framework_string(tmp_path):
 
 
 #: Each adapter's section of adapters/README.md, by the heading that opens it.
-ADAPTER_SECTIONS = {"trl": "## The TRL adapter", "verl": "## The verl adapter", "nemo_rl": "## The NeMo-RL adapter"}
+ADAPTER_SECTIONS = {"trl": "## The TRL adapter", "verl": "## The verl adapter", "nemo_rl": "## The NeMo-RL adapter",
+                    "open_instruct": "## The open-instruct adapter"}
 
 
 def _readme_section(text: str, heading: str) -> str:

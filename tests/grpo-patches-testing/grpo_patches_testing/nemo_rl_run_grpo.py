@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_patches_testing import entry_points
+
 STARTUP = Path(__file__).resolve().parent / "nemo_rl_startup"
 WORKER_FQN = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -309,15 +311,9 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
     command = [sys.executable, str(script), "--config", str(config),
                *overrides(files, log_dir, train_batch, shape)]
     other_package: list[str] = []
-    if options is not None:
-        # GRPO_E2E_PYTHONPATH goes first for patched runs: a folder holding another copy of
-        # grpo_patches (adapters at grpo_patches/adapters), e.g. one with a planted fault; the launcher
-        # builds the start-up directory from it, so the worker runs it too. Unpatched runs never see it.
-        other_package = [p for p in os.environ.get("GRPO_E2E_PYTHONPATH", "").split(os.pathsep) if p]
-        cli = Path(sys.executable).parent / "grpo-patches"  # the README's command; the module where no script is
-        launcher = [str(cli)] if cli.exists() else [sys.executable, "-m", "grpo_patches.cli"]
-        command = [*launcher, "run", "--frameworks", "nemo_rl", "--options", options, "--dir",
-                   str(work.parent / "grpo-patches-startup"), "--", *command]
+    if options is not None:  # a copy of grpo_patches in GRPO_E2E_PYTHONPATH goes first (patched runs only)
+        other_package = entry_points.other_package()
+        command = entry_points.launched("nemo_rl", options, work.parent / "grpo-patches-startup", command)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_PATCHES", "RAY_"))}
     env.update({
         "PYTHONPATH": os.pathsep.join([*other_package, str(STARTUP),
@@ -332,12 +328,7 @@ def run_grpo(source: Path, work: Path, cluster: RayCluster, venvs: Path, files: 
     if save_calls is not None:
         env["GRPO_PATCHES_E2E_SAVE_CALLS"] = ",".join(map(str, save_calls))
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-        returncode, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode, output = -1, f"timed out after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
-    (work / "output.log").write_text(output)
+    returncode, output = entry_points.run_logged(command, work, env, timeout)
 
     def lines(name: str) -> list[dict[str, Any]]:
         path = work / name

@@ -36,9 +36,10 @@ class Rollouts:
     samples_per_prompt: int
 
 
-def rollouts(model_path: str, *, prompts: int, samples_per_prompt: int, zero_std_groups: int, seed: int,
+def rollouts(model_path: str, *, prompts: int, samples_per_prompt: int, zero_std_groups: int | tuple[int, ...], seed: int,
              max_query: int = 6, max_response: int = 8, temperature: float = 1.0) -> Rollouts:
-    """``prompts`` groups of ``samples_per_prompt`` responses; the first ``zero_std_groups`` groups
+    """``prompts`` groups of ``samples_per_prompt`` responses; the first ``zero_std_groups`` groups (or, a
+    tuple, those groups: open-instruct's collation gives each data-parallel rank a contiguous share)
     get one score for all their responses (an exactly zero advantage), the others two different
     scores (0 or 10, open-instruct's verifiable reward) so their std is not zero."""
     import numpy as np
@@ -49,9 +50,10 @@ def rollouts(model_path: str, *, prompts: int, samples_per_prompt: int, zero_std
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     queries, responses, scores = [], [], []
+    zero = set(range(zero_std_groups)) if isinstance(zero_std_groups, int) else set(zero_std_groups)
     for group in range(prompts):
         query = rng.integers(FIRST_WORD, vocab, size=int(rng.integers(3, max_query + 1))).tolist()
-        if group < zero_std_groups:
+        if group in zero:
             group_scores = [float(rng.choice([0.0, 10.0]))] * samples_per_prompt
         else:
             group_scores = [10.0 * (i % 2) for i in range(samples_per_prompt)]

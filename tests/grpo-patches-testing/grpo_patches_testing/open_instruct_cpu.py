@@ -42,6 +42,7 @@ import io
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,7 +130,7 @@ class Config:
     per_device_train_batch_size: int = 1
     prompts: int = 4
     samples_per_prompt: int = 4
-    zero_std_groups: int = 1
+    zero_std_groups: int | tuple[int, ...] = 1  # the first N prompt groups, or these ones, get one score
     filter_zero_std_samples: bool = False
     pack_length: int = 32
     temperature: float = 1.0
@@ -143,6 +144,7 @@ class Config:
     args: tuple[tuple[str, Any], ...] = ()  # further GRPOExperimentConfig fields
     enable: dict[str, Any] | None = None  # grpo_patches.enable("open_instruct", **enable) around the run
     snapshots: bool = False  # record the weights after every optimizer step
+    model_size: tuple[int, int] = (64, 2)  # the tiny Qwen2's hidden size and layers (the shared one: 64, 2)
     #: ZeRO-3 keeps a parameter whole on every rank below this many elements. open-instruct's "auto"
     #: reaches DeepSpeed as its default, 1e5: every tensor of the tiny model would stay whole; at 1000
     #: its matrices (the tied lm-head / embedding included) are partitioned and its norms are not,
@@ -160,6 +162,8 @@ class Result:
     old_logprob_forwards: int = 0  # no-grad policy forwards: the pre-pass's micro-batches
     policy_forwards: int = 0  # grad-enabled policy forwards
     policy_rows: int = 0  # packed rows through the grad-enabled forwards
+    policy_tokens: int = 0  # rows x columns of those forwards
+    step_seconds: list[tuple[float, float]] = field(default_factory=list)  # (wall, CPU) seconds of each step()
     micro_batches: list[int] = field(default_factory=list)  # handed to step() on this rank, per step
     micro_batch_shapes: list[list[tuple[int, ...]]] = field(default_factory=list)  # their query_responses, per step
     gradients: list[dict[str, Any]] = field(default_factory=list)  # before each optimizer step (where whole)
@@ -172,6 +176,8 @@ class Result:
     #: the lm-head weight: (its full number of elements, the elements this rank holds); ZeRO-3
     #: holds a 1/world shard outside the lm-head's forward, ZeRO-2 the whole weight
     lm_head_elements: tuple[int, int] = (0, 0)
+    #: ``grpo_patches.status()["open_instruct"]`` at the end of a run with ``Config.enable`` (notes, savings)
+    status: dict[str, Any] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -188,11 +194,11 @@ def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> No
                                 init_method=f"tcp://127.0.0.1:{port or free_port()}")
 
 
-def model_path() -> str:
-    """The shared tiny Qwen2 (hidden 64, 2 layers, tied embeddings, ~250 words) and its tokenizer."""
+def model_path(size: tuple[int, int] = (64, 2)) -> str:
+    """The shared tiny Qwen2 (hidden 64, 2 layers, tied embeddings, ~250 words; or ``size``) and its tokenizer."""
     from grpo_patches.demo import tiny_model
 
-    return tiny_model.tiny_model_path()
+    return tiny_model.tiny_model_path(hidden_size=size[0], num_layers=size[1])
 
 
 def batches(config: Config, path: str, dp_world_size: int) -> list[list[Any]]:
@@ -222,13 +228,13 @@ def train(config: Config, rank: int = 0) -> Result:
     from grpo_patches.demo import tiny_model
 
     init_gloo(rank, config.world_size)
-    path = model_path()
+    path = model_path(config.model_size)
     tokenizer = tiny_model.load_tokenizer(path)
     steps = [per_rank[rank] for per_rank in batches(config, path, config.world_size)]
-    args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
     result = Result(micro_batches=[len(s["batch"]) for s in steps], micro_batch_shapes=shapes(steps))
     cls = grpo_fast.PolicyTrainerRayProcess.__ray_actor_class__
-    with _enabled(config.enable):
+    with _enabled(config.enable):  # before the config is made: grpo_patches acts on it (load_ref_policy at beta 0)
+        args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
         learner = cls(config.world_size, rank, rank, "127.0.0.1", free_port(), args, streaming, vllm_config,
                       tokenizer)
         with _cpu_setup(grpo_fast, config):
@@ -237,12 +243,23 @@ def train(config: Config, rank: int = 0) -> Result:
         try:
             with _recording(learner, config, result):
                 for _ in range(config.steps):
+                    wall, cpu = time.perf_counter(), time.process_time()
                     metrics, _arrays = learner.step()
+                    result.step_seconds.append((time.perf_counter() - wall, time.process_time() - cpu))
                     result.metrics.append(dict(metrics))
             result.weights = full_weights(learner.model, config.deepspeed_stage)
+            result.status = adapter_status(config)
         finally:
             _release(learner)
     return result
+
+
+def adapter_status(config: Config) -> dict[str, Any]:
+    if config.enable is None:
+        return {}
+    import grpo_patches
+
+    return grpo_patches.status().get("open_instruct", {})
 
 
 def shapes(steps: list[dict]) -> list[list[tuple[int, ...]]]:
@@ -342,14 +359,17 @@ def _enabled(options: dict[str, Any] | None) -> Iterator[None]:
         grpo_patches.disable()
 
 
-@contextlib.contextmanager
-def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
-    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
+def cpu_stand_ins(config: Config, ds_owner: Any) -> list[tuple[Any, str, Any]]:
+    """What ``from_pretrained`` needs on a CPU (module docstring), as ``(owner, attribute, stand-in)``.
+
+    ``ds_owner`` is where the learner looks up open-instruct's DeepSpeed config builders: ``grpo_fast``
+    in-process; ``open_instruct.utils`` in the end-to-end run, where Ray ships the learner class by value
+    and its globals take the builders from that module by name (each stand-in keeps the builder's name
+    for that)."""
+    import functools
+
     import torch
     import transformers
-
-    shim = cpu_torch.Rebinding()
-    swap = shim.set
 
     auto = transformers.AutoModelForCausalLM
     real_load = auto.from_pretrained.__func__
@@ -361,6 +381,7 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
         return real_load(cls, *args, **kwargs)
 
     def ds_config(real: Any) -> Any:
+        @functools.wraps(real)
         def make(*args: Any, **kwargs: Any) -> Any:
             kwargs["bf16"] = config.bf16
             out = real(*args, **kwargs)
@@ -373,12 +394,20 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
 
         return make
 
-    swap(torch.cuda, "set_device", lambda *a, **k: None)
-    swap(auto, "from_pretrained", classmethod(from_pretrained))
-    swap(grpo_fast, "get_train_ds_config", ds_config(grpo_fast.get_train_ds_config))
-    swap(grpo_fast, "get_eval_ds_config", ds_config(grpo_fast.get_eval_ds_config))
+    out = [(torch.cuda, "set_device", lambda *a, **k: None), (auto, "from_pretrained", classmethod(from_pretrained)),
+           (ds_owner, "get_train_ds_config", ds_config(ds_owner.get_train_ds_config)),
+           (ds_owner, "get_eval_ds_config", ds_config(ds_owner.get_eval_ds_config))]
     if config.optimizer == "sgd":
-        swap(torch.optim, "AdamW", lambda params, lr, **_: torch.optim.SGD(params, lr=lr))
+        out.append((torch.optim, "AdamW", lambda params, lr, **_: torch.optim.SGD(params, lr=lr)))
+    return out
+
+
+@contextlib.contextmanager
+def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
+    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
+    shim = cpu_torch.Rebinding()
+    for owner, name, value in cpu_stand_ins(config, grpo_fast):
+        shim.set(owner, name, value)
     with shim:
         shim.enter(cpu_torch.cuda_to_cpu_mode())
         yield
@@ -386,13 +415,16 @@ def _cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
 
 def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, result: Result) -> list[Any]:
     """Hooks (removable handles) counting the policy's grad-enabled forwards (training) and no-grad
-    forwards (the old-logprob pre-pass), the reference's forwards, and sizing every lm-head output."""
+    forwards (the old-logprob pre-pass), the reference's forwards, and sizing every lm-head output
+    (``policy`` or ``ref`` ``None``: not counted)."""
     import torch
 
     def count_policy(_module: Any, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
+            ids = kwargs.get("input_ids", args[0] if args else None)
             result.policy_forwards += 1
-            result.policy_rows += int(kwargs.get("input_ids", args[0] if args else None).shape[0])
+            result.policy_rows += int(ids.shape[0])
+            result.policy_tokens += int(ids.numel())
         else:
             result.old_logprob_forwards += 1
 
@@ -406,7 +438,7 @@ def count_forwards(policy: Any, ref: Any, lm_heads: list[Any], vocab: int, resul
             result.largest_logits = shape
         result.full_logits += int(len(shape) == 3 and shape[-1] == vocab)
 
-    handles = [policy.register_forward_pre_hook(count_policy, with_kwargs=True)]
+    handles = [] if policy is None else [policy.register_forward_pre_hook(count_policy, with_kwargs=True)]
     if ref is not None:
         handles.append(ref.register_forward_pre_hook(count_ref, with_kwargs=True))
     return handles + [head.register_forward_hook(logits) for head in lm_heads]

@@ -111,11 +111,6 @@ def train(config: Config) -> Result:
     path = deepspeed_learner.model_path()
     tokenizer = tiny_model.load_tokenizer(path)
     steps = [per_rank[0] for per_rank in deepspeed_learner.batches(config, path, 1)]
-    args = grpo_utils.GRPOExperimentConfig(
-        world_size=1, num_training_steps=config.steps, num_mini_batches=config.num_mini_batches,
-        num_epochs=config.num_epochs, beta=config.beta, load_ref_policy=config.load_ref_policy,
-        loss_fn=config.loss_fn, kl_estimator=config.kl_estimator, loss_denominator=config.loss_denominator,
-        learning_rate=config.learning_rate, max_grad_norm=1e9, **dict(config.args))  # 1e9: the norm, no clipping
     streaming = data_loader.StreamingDataLoaderConfig(
         pack_length=config.pack_length, max_prompt_token_length=config.pack_length // 2,
         response_length=config.pack_length // 2, temperature=config.temperature,
@@ -123,12 +118,17 @@ def train(config: Config) -> Result:
         filter_zero_std_samples=config.filter_zero_std_samples)
     vocab = len(tokenizer)
     result = Result(micro_batches=[len(s["batch"]) for s in steps], micro_batch_shapes=deepspeed_learner.shapes(steps))
-    with doc_masked_attention(), deepspeed_learner._enabled(config.enable):
+    with doc_masked_attention(), deepspeed_learner._enabled(config.enable):  # before the config is made
+        args = grpo_utils.GRPOExperimentConfig(
+            world_size=1, num_training_steps=config.steps, num_mini_batches=config.num_mini_batches,
+            num_epochs=config.num_epochs, beta=config.beta, load_ref_policy=config.load_ref_policy,
+            loss_fn=config.loss_fn, kl_estimator=config.kl_estimator, loss_denominator=config.loss_denominator,
+            learning_rate=config.learning_rate, max_grad_norm=1e9, **dict(config.args))  # 1e9: the norm, no clipping
         model = tiny_transformer(vocab, config.seed)
         initial = copy.deepcopy(model.state_dict())
         # grpo_olmo_core_actor.py: a reference model only when load_ref_policy and beta > 0
         ref = None
-        if config.load_ref_policy and config.beta > 0:
+        if args.load_ref_policy and args.beta > 0:
             ref = tiny_transformer(vocab, config.seed)
         module = modules.GRPOTrainModule(
             model=model, optim=AdamWConfig(lr=config.learning_rate), sample_microbatch_size=config.per_device_train_batch_size,
@@ -148,6 +148,7 @@ def train(config: Config) -> Result:
                 module.train_batch(batch)
         result.ref_model_built = ref is not None
         result.weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+        result.status = deepspeed_learner.adapter_status(config)
     return result
 
 

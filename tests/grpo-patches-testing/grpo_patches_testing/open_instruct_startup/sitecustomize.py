@@ -8,26 +8,21 @@
 #   runs as __main__, so Ray ships PolicyTrainerRayProcess by value, and cloudpickle takes along the
 #   submodules its methods' names match, among them torch 2.13's torch.distributed.config (a
 #   ConfigModuleInstance: "cannot pickle 'ConfigModuleInstance' object"). Modules of such a subclass
-#   are pickled by reference here, as cloudpickle pickles plain modules.
+#   are pickled by reference here, as cloudpickle pickles plain modules;
+# - with GRPO_PATCHES_OPEN_INSTRUCT_E2E (the run's settings, JSON) as well: the end-to-end run's CPU
+#   stand-ins and records (cpu_run.py: the vLLM engines, the learner on a CPU, seeded generators).
 # Never imported as part of grpo_patches; never a user's.
 import os as _os
 
 if _os.environ.get("GRPO_PATCHES_OPEN_INSTRUCT_CPU"):
     try:
-        import types as _types
-
         from grpo_patches_testing import open_instruct_vllm as _vllm
-        from ray.cloudpickle import cloudpickle as _cp
+        from grpo_patches_testing.open_instruct_startup import cpu_run as _cpu_run
 
         _vllm.install()
-        _override = _cp.Pickler.reducer_override
-
-        def _reducer_override(self, obj):
-            if isinstance(obj, _types.ModuleType) and type(obj) is not _types.ModuleType:
-                return _cp._module_reduce(obj)
-            return _override(self, obj)
-
-        _cp.Pickler.reducer_override = _reducer_override
+        _cpu_run.pickle_module_subclasses_by_reference()
+        if _os.environ.get("GRPO_PATCHES_OPEN_INSTRUCT_E2E"):
+            _cpu_run.install()
     except BaseException as _exc:  # never break an interpreter's start-up; the run sees the message
         import sys as _sys
 

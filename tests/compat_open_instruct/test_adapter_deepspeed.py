@@ -1,0 +1,234 @@
+"""The open-instruct adapter on the real DeepSpeed learner: ``PolicyTrainerRayProcess.step()``, patched
+against unpatched, on a tiny Qwen2 in fp32 with SGD (per-step updates comparable exactly).
+
+One batch per step: 16 responses (4 prompts x 4; prompt groups 0 and 3 get one score: advantage
+exactly 0), ``filter_zero_std_samples=False`` (so that zero-advantage rows reach the learner),
+packed at 32 tokens into 6 micro-batches of one row, of which the 4th and the 6th have advantage 0
+(the 6th closes the second accumulation group at two mini-batches, and the only one at one:
+DeepSpeed's boundary moves); temperature 0.7 (v0.3.0's default). Runs are shared between the tests
+(each costs tens of seconds here): see :data:`RUNS`; the two-rank runs are in
+``test_adapter_deepspeed_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_patches_testing import open_instruct_cpu as harness
+from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, counts, distance,
+                                                dropping_a_useful_micro_batch)
+
+harness.load()  # skips without open-instruct / deepspeed on the path
+
+BASE = harness.Config(steps=1, prompts=4, samples_per_prompt=4, zero_std_groups=(0, 3), pack_length=32,
+                      num_mini_batches=2, num_epochs=2, temperature=0.7, snapshots=True)
+Z3 = harness.replace(BASE, deepspeed_stage=3, num_mini_batches=1, num_epochs=1)
+KL = harness.replace(BASE, num_mini_batches=1, num_epochs=1, beta=0.05)
+#: name -> config; every run once per module (:func:`run`)
+RUNS = {
+    "zero2": BASE,
+    "zero2_exact": harness.replace(BASE, enable=ALL_ON),
+    "zero2_tiled": harness.replace(BASE, enable=dict(ALL_ON_TILED, verify_every=1)),
+    "zero3": Z3,
+    "zero3_tiled": harness.replace(Z3, enable=ALL_ON_TILED),
+    "kl": KL,
+    "kl_patched": harness.replace(KL, enable={}),  # every default option (filter "auto", logprob_skip)
+    "kl_four_steps": harness.replace(BASE, beta=0.05),  # the policy leaves the reference after the first step
+}
+
+
+@pytest.fixture(scope="module")
+def run():
+    return cached_runs(harness.train, RUNS)
+
+
+def test_every_optimization_changes_nothing_of_the_update(run, record_property):
+    """ZeRO-2, two mini-batches, two epochs, beta 0: no reference model, the pre-pass only over the
+    micro-batches consumed after the first optimizer step, the zero-advantage micro-batch out of the
+    forward and backward; grad norms, per-step updates and final weights as unpatched (fp32, SGD)."""
+    base, patched = run("zero2"), run("zero2_exact")
+    gap = distance(patched, base)
+    record_property("exact_zero2_all", gap)
+    assert gap <= 1e-6
+    before, after = counts(base), counts(patched)
+    record_property("saved_zero2", f"{before} -> {after}")
+    assert base.ref_model_built and not patched.ref_model_built
+    assert after["ref_forwards"] == 0 and before["ref_forwards"] == 6
+    # accumulation_steps 3: the first group (3) is consumed before any optimizer step, the zero ones never
+    assert before["old_logprob_forwards"] == 6 and after["old_logprob_forwards"] == 1
+    assert after["policy_forwards"] == before["policy_forwards"] - 4  # two zero micro-batches, two epochs
+    assert after["optimizer_steps"] == before["optimizer_steps"] == 4
+
+
+def test_the_metrics_say_what_was_computed(run):
+    base, patched = run("zero2").metrics[0], run("zero2_exact").metrics[0]
+    for name in ("loss/policy_avg", "loss/total_avg", "loss/kl_avg", "policy/clipfrac_avg", "_token_count"):
+        assert patched[name] == pytest.approx(base[name], rel=1e-6, abs=1e-7), name
+    assert not any(name.startswith("objective/kl") for name in patched)  # no reference model behind them
+    assert "val/ratio" not in patched and "val/ratio/kept_rows" in patched
+    assert "debug/vllm_vs_local_logprob_diff_mean/kept_rows" in patched
+    assert patched["grpo_patches/micro_batches_dropped"] == 4.0
+    assert patched["grpo_patches/old_logprob_micro_batches_skipped"] == 5.0
+    assert patched["grpo_patches/reference_micro_batches_skipped"] == 6.0
+
+
+def test_the_tiled_lm_head_changes_nothing_and_makes_no_logits(run, record_property):
+    """All optimizations and the tiled lm-head, verify mode on every step (its checks pass and
+    leave the update alone): no [B, T, vocab] logits anywhere."""
+    base, patched = run("zero2"), run("zero2_tiled")
+    gap = distance(patched, base)
+    record_property("exact_zero2_tiled", gap)
+    assert gap <= 1e-5
+    assert base.full_logits == 24 and patched.full_logits == 0
+    assert patched.largest_logits[-1] != base.largest_logits[-1]
+    verified = {k: v for k, v in patched.metrics[0].items() if k.startswith("grpo_patches/verify/")}
+    record_property("verify_zero2_tiled", str(verified))
+    assert set(verified) >= {"grpo_patches/verify/tiled_logprob_rel_diff", "grpo_patches/verify/tiled_grad_rel_diff",
+                             "grpo_patches/verify/old_logprob_max_abs_diff",
+                             "grpo_patches/verify/dropped_grad_max_abs"}
+    assert verified["grpo_patches/verify/dropped_grad_max_abs"] == 0.0
+
+
+def test_zero3_partitioned_lm_head(run, record_property):
+    """ZeRO-3 (the tied lm-head / embedding partitioned), one mini-batch, one epoch."""
+    base, patched = run("zero3"), run("zero3_tiled")
+    assert base.lm_head_elements[1] == base.lm_head_elements[0]  # one rank holds the whole (partitioned) weight
+    gap = distance(patched, base)
+    record_property("exact_zero3_tiled", gap)
+    assert gap <= 1e-5
+    assert patched.full_logits == 0 and patched.ref_forwards == 0
+    assert patched.policy_forwards == base.policy_forwards - 2
+
+
+def test_with_a_kl_term_nothing_changes(run):
+    """beta 0.05: the reference model stays, the filter is off (the KL term gives zero-advantage rows a
+    gradient) and says why, the update is bitwise open-instruct's."""
+    base, patched = run("kl"), run("kl_patched")
+    assert patched.ref_model_built and patched.ref_forwards == base.ref_forwards
+    assert counts(patched) == counts(base)
+    assert distance(patched, base) == 0.0
+    assert patched.status["notes"]["reference_pass"].startswith("runs: beta=0.05 non-zero")
+    (notes,) = patched.status["by_class"].values()
+    assert notes["zero_advantage_filter"].startswith("off: the zero-advantage filter needs beta == 0 (got 0.05)")
+
+
+# --- planted faults: each one fails the comparison (or the guard) that proves its optimization ---------
+
+def test_a_filter_that_drops_a_useful_micro_batch_is_caught(monkeypatch):
+    """The dropped micro-step's loss is not 0 (it has a gradient): the guard on DeepSpeed's backward refuses
+    before its optimizer step (measured: loss -2.43 on micro-step 0)."""
+    from grpo_patches.adapters.open_instruct import zero_advantage
+    from grpo_patches.errors import PlaceholderError
+
+    monkeypatch.setattr(zero_advantage, "plan", dropping_a_useful_micro_batch(zero_advantage.plan))
+    with pytest.raises(PlaceholderError, match="dropped by the zero-advantage filter .* not 0"):
+        harness.train(RUNS["zero2_exact"])
+
+
+def test_a_skipped_pre_pass_is_never_read_after_an_optimizer_step(monkeypatch):
+    """A recompute decision that skips the micro-batches consumed after the first optimizer step: their
+    placeholders reach the guard, which refuses before anything is computed from them."""
+    from grpo_patches.adapters.open_instruct import old_logprobs
+    from grpo_patches.errors import PlaceholderError
+
+    monkeypatch.setattr(old_logprobs, "needed", lambda step: [False] * step.n)
+    with pytest.raises(PlaceholderError, match="after the step's first optimizer step"):
+        harness.train(RUNS["zero2_exact"])
+
+
+def test_old_logprobs_from_the_wrong_weights_are_caught(run, monkeypatch, record_property):
+    """The guard planted wrong: every placeholder becomes the current log-probs, also after an optimizer step."""
+    from grpo_patches.adapters.open_instruct import old_logprobs, placeholders
+
+    monkeypatch.setattr(old_logprobs, "needed", lambda step: [False] * step.n)
+    real = placeholders.resolve_old_logprob
+
+    def wrong(wrapped, instance, args, kwargs):
+        step = placeholders._holder(args[0][args[1]], args[1])
+        if step is None:
+            return real(wrapped, instance, args, kwargs)
+        saved, step.current.s = step.current.s, 0  # "before the first optimizer step", for the guard only
+        try:
+            return real(wrapped, instance, args, kwargs)
+        finally:
+            step.current.s = saved  # DeepSpeed's accumulation boundary still reads the true micro-step
+
+    monkeypatch.setattr(placeholders, "resolve_old_logprob", wrong)
+    gap = distance(harness.train(RUNS["zero2_exact"]), run("zero2"))
+    record_property("fault_recompute_stale_old_logprobs", gap)
+    assert gap > 1e-3
+
+
+def test_a_tiled_lm_head_at_the_wrong_temperature_is_caught(run, monkeypatch, record_property):
+    from grpo_patches.adapters.open_instruct import tiled_logprobs
+
+    real = tiled_logprobs.token_stats
+    monkeypatch.setattr(tiled_logprobs, "token_stats", lambda h, w, b, labels, mask, temperature, tile: real(
+        h, w, b, labels, mask, 1.0, tile))
+    gap = distance(harness.train(harness.replace(RUNS["zero2_tiled"], enable=ALL_ON_TILED)), run("zero2"))
+    record_property("fault_tiled_temperature", gap)
+    assert gap > 1e-3
+
+
+def test_a_reference_skipped_with_a_kl_term_is_caught(run, monkeypatch, record_property):
+    from grpo_patches.adapters.open_instruct import reference
+    from grpo_patches.reference_pass import ReferencePassDecision
+
+    class Skip:
+        def grpo_skip_reference_pass(self, **_):
+            return ReferencePassDecision(True, "planted: skipped whatever beta is")
+
+    monkeypatch.setattr(reference, "hook", lambda: Skip())
+    # four optimizer steps: in the first the policy is the reference (kl and its gradient exactly 0)
+    result = harness.train(harness.replace(RUNS["kl_four_steps"], enable={}))
+    assert not result.ref_model_built
+    gap = distance(result, run("kl_four_steps"))
+    record_property("fault_reference_skipped_at_beta_0.05", gap)
+    assert gap > 1e-6
+
+
+# --- verify mode ---------------------------------------------------------------------------------------
+
+def _cold_tiled(monkeypatch):
+    """The planted tiled fault: log-probs at temperature 1 whatever open-instruct asks."""
+    from grpo_patches.adapters.open_instruct import tiled_logprobs
+
+    real = tiled_logprobs.token_stats
+    monkeypatch.setattr(tiled_logprobs, "token_stats", lambda h, w, b, labels, mask, temperature, tile: real(
+        h, w, b, labels, mask, 1.0, tile))
+
+
+def test_verify_mode_stops_a_wrong_tiled_lm_head(monkeypatch):
+    from grpo_patches.errors import ExactnessError
+
+    _cold_tiled(monkeypatch)
+    with pytest.raises(ExactnessError, match="tiled_loss"):
+        harness.train(harness.replace(BASE, enable=dict(ALL_ON_TILED, verify_every=1)))
+
+
+def test_verify_mode_disable_trains_on_unpatched(run, monkeypatch, record_property):
+    """``verify_action="disable"``: the failing check's step uses open-instruct's own log-probs, and the
+    tiled lm-head is off from there: the update is open-instruct's."""
+    _cold_tiled(monkeypatch)
+    result = harness.train(harness.replace(BASE, enable=dict(ALL_ON_TILED, verify_every=1, verify_action="disable")))
+    gap = distance(result, run("zero2"))
+    record_property("exact_verify_disable", gap)
+    assert gap <= 1e-5
+    assert "tiled_loss" in result.status["switched_off"]
+
+
+def test_verify_mode_stops_a_filter_that_drops_a_useful_micro_batch(monkeypatch):
+    """A filter decision (``grpo_filter_zero_advantage``) that drops micro-batches with a gradient: on a
+    verified step they run, and the gradient of open-instruct's loss on them is not 0."""
+    import torch
+
+    from grpo_patches.adapters.open_instruct import zero_advantage
+    from grpo_patches.errors import ExactnessError
+
+    class LastOnly:  # keeps each group's last micro-step only, whatever the advantages
+        def grpo_filter_zero_advantage(self, advantages, **_):
+            return type("Answer", (), {"keep": torch.tensor([advantages.shape[0] - 1])})()
+
+    monkeypatch.setattr(zero_advantage, "hook", lambda: LastOnly())
+    with pytest.raises(ExactnessError, match="dropped_grad_max_abs"):
+        harness.train(harness.replace(BASE, enable=dict(ALL_ON, verify_every=1)))

@@ -1,0 +1,112 @@
+"""Comparing two runs of open-instruct's learners (patched against unpatched), for the compat tests.
+
+A run is a :class:`grpo_patches_testing.open_instruct_cpu.Result`. The DeepSpeed learner's gradients
+live inside DeepSpeed's partitioned optimizer: its runs are compared through DeepSpeed's grad norm
+after every optimizer step and, with SGD, the weights after every optimizer step (their differences
+are the per-step gradients times the learning rate) and at the end. The OLMo-core learner's runs
+record each optimizer step's gradient itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+#: The package-level options of every optimization, as a user turns them all on.
+ALL_ON = dict(logprob_skip=True, recompute=True, zero_advantage_filter=True)
+ALL_ON_TILED = dict(ALL_ON, tiled_loss=True)
+
+
+def rel(a: Any, b: Any) -> float:
+    """``|a - b| / |b|`` (0 when both are 0)."""
+    import torch
+
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = float(b.norm())
+    diff = float((a - b).norm())
+    return diff / scale if scale else diff
+
+
+def weights_rel(a: dict, b: dict) -> float:
+    """The largest relative difference of any parameter."""
+    return max(rel(a[name], b[name]) for name in b)
+
+
+def distance(patched: Any, unpatched: Any) -> float:
+    """The largest relative difference between two runs: grad norms per optimizer step, per-step updates
+    (SGD snapshots, where recorded) and recorded per-step gradients (each step's over all parameters
+    together), final weights (per parameter).
+
+    A step whose unpatched gradient is zero in exact arithmetic (its norm under :data:`ZERO_STEP` of the
+    run's largest: e.g. every ratio clipped in a later epoch) holds only rounding noise in both runs: it
+    is compared on the scale of the run's largest step, not relative to its own noise."""
+    assert len(patched.grad_norms) == len(unpatched.grad_norms), (patched.grad_norms, unpatched.grad_norms)
+    worst = _steps_rel([(float(p), float(u)) for p, u in zip(patched.grad_norms, unpatched.grad_norms)])
+    updates = [(_flat([b[1][n] - b[0][n] for n in sorted(a[1])]), _flat([a[1][n] - a[0][n] for n in sorted(a[1])]))
+               for b, a in zip(_pairs(patched.snapshots), _pairs(unpatched.snapshots))]
+    gradients = [(_flat([p[n] for n in sorted(u)]), _flat([u[n] for n in sorted(u)]))
+                 for p, u in zip(patched.gradients, unpatched.gradients)]
+    worst = max(worst, _steps_rel(updates), _steps_rel(gradients))
+    return max(worst, weights_rel(patched.weights, unpatched.weights))
+
+
+#: A step at or under this fraction of the run's largest (norm) is a zero gradient's rounding noise.
+ZERO_STEP = 1e-9
+
+
+def _flat(tensors: list) -> Any:
+    import torch
+
+    return torch.cat([torch.as_tensor(t, dtype=torch.float64).flatten() for t in tensors])
+
+
+def _steps_rel(pairs: list) -> float:
+    """The largest ``|ours - theirs| / |theirs|`` over steps ``(ours, theirs)``; a noise step (above) over
+    the largest ``|theirs|`` instead."""
+    import torch
+
+    if not pairs:
+        return 0.0
+    norms = [float(torch.as_tensor(t, dtype=torch.float64).norm()) for _, t in pairs]
+    scale = max(norms)
+    return max(rel(o, t) if n > ZERO_STEP * scale else
+               float((torch.as_tensor(o, dtype=torch.float64) - torch.as_tensor(t, dtype=torch.float64)).norm())
+               / (scale or 1.0) for (o, t), n in zip(pairs, norms))
+
+
+def _pairs(snapshots: list) -> list:
+    return list(zip(snapshots, snapshots[1:]))
+
+
+def counts(result: Any) -> dict[str, int]:
+    return {"ref_forwards": result.ref_forwards, "old_logprob_forwards": result.old_logprob_forwards,
+            "policy_forwards": result.policy_forwards, "full_logits": result.full_logits,
+            "optimizer_steps": len(result.grad_norms)}
+
+
+def cached_runs(train: Callable[[Any], Any], runs: dict[str, Any]) -> Callable[[str], Any]:
+    """``get(name)``: ``train(runs[name])``, run once (a module-scoped fixture shares it between tests)."""
+    done: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in done:
+            done[name] = train(runs[name])
+        return done[name]
+
+    return get
+
+
+def dropping_a_useful_micro_batch(real_plan: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """The filter's planted fault: ``real_plan`` (``zero_advantage.plan``) that also drops a micro-batch with a
+    gradient, in every epoch (so that no loss reads its skipped pre-pass), one that is not its group's last
+    backward (DeepSpeed's accumulation boundary stays where the real plan put it)."""
+
+    def wrong(learner: Any, step: Any) -> Any:
+        plan = real_plan(learner, step)
+        n = len(plan.useful)
+        victim = next(i for i in range(n)
+                      if plan.useful[i] and plan.runs[i] and not plan.last_backward[i])
+        for s in range(victim, len(plan.runs), n):
+            plan.runs[s] = False
+        return plan
+
+    return wrong
