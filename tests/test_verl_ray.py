@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
             worker = Worker.remote()
             return {"runner": report(), "worker": ray.get(worker.status.remote())}
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}, "working_dir": None})
     try:
         out = ray.get(TaskRunner.remote().run.remote())
@@ -103,7 +103,7 @@ PROBE = textwrap.dedent(
         def ready(self):
             return True
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         envs = {"patched": {"GRPO_PATCHES": "verl"}, "unpatched": {}}
         workers = {k: Worker.options(runtime_env={"env_vars": v}).remote() for k, v in envs.items()}
