@@ -140,9 +140,19 @@ def tiny_model_path(
         size += f"-eos{eos_boost:g}" if eos_boost != 1.0 else ""
         path = base / f"tiny-qwen2-seed{seed}{size}"
         if not (path / "config.json").exists():
-            path.mkdir(parents=True, exist_ok=True)
-            build_model(seed, hidden_size, num_layers, vocab_size, eos_boost).save_pretrained(path)
-            build_tokenizer().save_pretrained(path)
+            # built aside and renamed into place: another process (the demo's two trainings share the
+            # folder) sees either no model or a whole one, never a config without its tokenizer
+            base.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=base, prefix=f".{path.name}-"))
+            try:
+                build_model(seed, hidden_size, num_layers, vocab_size, eos_boost).save_pretrained(staging)
+                build_tokenizer().save_pretrained(staging)
+                staging.rename(path)
+            except OSError:
+                if not (path / "config.json").exists():  # not another process's finished copy
+                    raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         _cache[key] = str(path)
         return str(path)
 
