@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 from grpo_patches import verify
 from grpo_patches.call_args import bind
 
-from . import FRAMEWORK, logprob_pass, metrics, state, verify_rows
+from . import FRAMEWORK, logprob_pass, metrics, state, verify_precision, verify_rows
 from .row_subsets import is_multimodal
 from .verify_trace import Trace
 
@@ -111,12 +111,33 @@ class MicroStep:
             loss = self.wrapped(*self.args, **self.kwargs)
         return loss, call, (self.trace.take(), verify.rng_state())
 
-    def unpatched(self, inputs: Mapping[str, Any] | None = None) -> tuple[Any, tuple]:
-        """TRL's own computation on the inputs unpatched TRL has, from the same random state."""
+    def unpatched(self, inputs: Mapping[str, Any] | None = None, fp32: bool = False) -> tuple[Any, tuple]:
+        """TRL's own computation on the inputs unpatched TRL has, from the same random state
+        (``fp32``: autocast off, :func:`.verify_precision.full_precision`)."""
         verify.set_rng_state(self.start)
-        with FRAMEWORK.unpatched():
+        with FRAMEWORK.unpatched(), verify_precision.full_precision(self.trainer, self.model) if fp32 else nullcontext():
             loss = self.arguments.call(self.wrapped, inputs=inputs or self.upstream)
         return loss, (self.trace.take(), verify.rng_state())
+
+    def reference(self) -> Any:
+        """TRL's loss in fp32 (autocast off; :meth:`on_policy_upstream`'s inputs), its trace dropped."""
+        return self.unpatched(self.on_policy_upstream(), fp32=True)[0]
+
+    def patched_fp32(self) -> Any:
+        """The patched computation again, autocast off (its trace dropped)."""
+        verify.set_rng_state(self.start)
+        with verify_precision.full_precision(self.trainer, self.model), state.LOSS.entered(state.LossCall(verifying=True)):
+            loss = self.wrapped(*self.args, **self.kwargs)
+        self.trace.take()
+        return loss
+
+    def on_policy_upstream(self) -> Mapping[str, Any]:
+        """TRL's inputs for an fp32 judgement: a rollout whose pass the recompute decision skipped
+        (checked on its own, ``old_logprob_max_abs_diff``) reads its current log-probs, as the
+        patched loss does, not TRL's pass rounded in half precision."""
+        if self.match is None or not self.match.rollout.skipped:
+            return self.upstream
+        return {**self.upstream, "old_per_token_logps": None}
 
     def run(self) -> Any:
         loss, call, end = self.patched()
@@ -145,10 +166,17 @@ class MicroStep:
         def repeat() -> Any:
             return self.unpatched(reversed_rows(self.upstream))[0]
 
+        fp32 = verify_precision.has_fp32_reference(self.trainer, self.model)
+        flips = verify_precision.discontinuous(self.trainer) if verify_rows.is_half(self.trainer) else None
+        if flips and not fp32:  # nothing to judge it in: said in status(), never an alarm
+            verify_precision.note_unjudged(self.trainer, flips)
+            return self.finish(patched_loss, patched_end)
         result = verify.compare_gradients(
             FRAMEWORK.name, names, self.step, [p for p in self.model.parameters() if p.requires_grad],
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,
+            reference=self.reference if fp32 else None,
+            exact=(self.patched_fp32, self.reference) if flips else None,
             dtype=verify_rows.compute_dtype(self.trainer),
             detail="the micro-step's gradient against TRL's unpatched loss" + (
                 "" if bool(patched_loss.detach().isfinite().all()) else

@@ -1,0 +1,101 @@
+"""Verify mode in bf16 (issue 33): TRL's GRPOTrainer with ``bf16=True`` on an fp32 model (autocast,
+as TRL's own tests run on CPU), the tiled loss on, every step verified with ``"raise"``.
+
+* No false alarm: the patched gradient is judged by its distance from TRL's loss recomputed in
+  fp32 (autocast off) against TRL's own bf16 distance from it (``grad_noise_floor``); the tiled
+  loss's fp32 head is the more accurate one. An entropy mask (``top_entropy_quantile < 1``) flips
+  on bf16 rounding: judged in fp32. Before the fix it raised (grad_rel_diff 0.18 against a
+  tolerance of 7.8e-3, the reversed-rows floor).
+* bf16 weights (no fp32 computation to judge against): the reversed-rows floor as before, and an
+  entropy mask is not judged, said in ``status()``.
+* Planted faults are caught in bf16 and fp32 (a filter that drops a useful row, a tiled loss with
+  a wrong temperature or head weight); each test records its figure against the tolerance
+  (``worst_over_tolerance`` / ``fault_over_tolerance``), so the gap between the worst correct
+  configuration and the smallest fault stays visible. Measured (TRL 1.16, CPU): bf16 correct
+  <= 0.46x the tolerance, faults >= 1.9x (a head weight 1 % off: 1.03x); fp32 correct <= 0.05x,
+  faults >= 940x.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from grpo_patches import verify, verify_log  # noqa: E402
+from grpo_patches.demo import tiny_model  # noqa: E402
+from grpo_patches.errors import ExactnessError  # noqa: E402
+from tests.helpers.faulty_plugins import DropsANonZeroRow, WrongTiledHead, past_the_contract  # noqa: E402
+from tests.helpers.trl_runs import needs_tiled  # noqa: E402
+from grpo_patches_testing.trl_train import train  # noqa: E402
+
+pytestmark = [pytest.mark.slow, needs_tiled]
+
+PREFIX = "grpo_patches/verify/"
+VERIFY = {"tiled_loss": True, "verify_every": 1, "verify_action": "raise"}
+COMMON = dict(reward_funcs=tiny_model.reward_char_sum, optim="sgd")
+BF16_WEIGHTS = dict(model_init_kwargs={"dtype": "bfloat16"})
+
+
+def verified(steps: int = 2, options: dict | None = None, **config):
+    verify_log.reset("trl")
+    return train(True, {**VERIFY, **(options or {})}, steps=steps, **{**COMMON, **config})
+
+
+def figures(result) -> list[dict]:
+    return [{k[len(PREFIX):]: v for k, v in row.items() if k.startswith(PREFIX)} for row in result.log_history
+            if "loss" in row]
+
+
+@pytest.mark.parametrize("config", [
+    dict(loss_type="dr_grpo"),
+    dict(num_iterations=2),  # loss_type dapo (TRL's default), the second iteration's clipped ratios
+    dict(top_entropy_quantile=0.5),  # the false alarm of issue 33 in bf16: judged in fp32
+], ids=["dr_grpo", "num_iterations_2", "entropy_mask"])
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_tiled_loss_raises_no_false_alarm(config, bf16, record_property):
+    got = verified(bf16=bf16, **config)
+    report = got.status["verify"]
+    assert report["failures"] == [] and report["steps_verified"] == 2
+    rows = figures(got)
+    assert len(rows) == 2 and all("grad_rel_diff" in row for row in rows)
+    worst = max(row["grad_rel_diff"] for row in rows)
+    record_property("worst_grad_rel_diff", worst)
+    if not bf16 or "top_entropy_quantile" in config:  # judged in fp32: no floor, the fp32 tolerance
+        assert worst <= 1e-6 and not any("grad_noise_floor" in row for row in rows)
+        record_property("worst_over_tolerance", worst / verify.FP32_TOLERANCE)
+        return
+    ratio = max(row["grad_rel_diff"] / row["grad_noise_floor"] for row in rows)
+    record_property("worst_over_tolerance", ratio / verify.REFERENCE_FACTOR)
+    # the tiled loss's fp32 head rounds less than TRL's bf16 one: no farther from fp32 than TRL
+    assert 1e-4 < rows[0]["grad_noise_floor"] < 3e-2 and ratio <= 1.0, rows
+
+
+def test_bf16_weights_keep_the_reversed_rows_floor_and_an_entropy_mask_is_not_judged():
+    got = verified(bf16=True, steps=1, **BF16_WEIGHTS)
+    (row,) = figures(got)
+    assert got.status["verify"]["failures"] == [] and row["grad_rel_diff"] <= 10 * max(row["grad_noise_floor"], 7.8e-4)
+    masked = verified(bf16=True, steps=1, top_entropy_quantile=0.5, **BF16_WEIGHTS)
+    assert masked.status["verify"]["failures"] == [] and "grad_rel_diff" not in figures(masked)[0]
+    assert "top_entropy_quantile=0.5" in masked.notes()["verify"]
+
+
+FAULTS = {
+    "drops_a_row": lambda: DropsANonZeroRow(),
+    "temperature_2pct": lambda: WrongTiledHead(temperature=1.02),
+    "head_weight_2pct": lambda: WrongTiledHead(weight=1.02),  # 1 %: 1.03x the bf16 tolerance
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_a_planted_fault_is_caught(fault, bf16, record_property):
+    with past_the_contract(), pytest.raises(ExactnessError) as caught:
+        # the recompute decision off: a wrong head also moves the log-probs a skipped pass is
+        # compared with, which would catch it first; the gradient comparison is the line under test
+        options = {} if fault == "drops_a_row" else {"recompute": False}
+        verified(steps=1, options=options, bf16=bf16, plugins=[FAULTS[fault]()])
+    err = caught.value
+    assert err.step == 0 and err.quantity == "grad_rel_diff" and err.measured > err.tolerance
+    record_property("fault_grad_rel_diff", err.measured)
+    record_property("fault_over_tolerance", err.measured / err.tolerance)
