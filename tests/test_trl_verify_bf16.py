@@ -99,3 +99,27 @@ def test_a_planted_fault_is_caught(fault, bf16, record_property):
     assert err.step == 0 and err.quantity == "grad_rel_diff" and err.measured > err.tolerance
     record_property("fault_grad_rel_diff", err.measured)
     record_property("fault_over_tolerance", err.measured / err.tolerance)
+
+
+@pytest.mark.parametrize("config", [dict(loss_type="dr_grpo"), dict(top_entropy_quantile=0.5)],
+                         ids=["fp32_reference", "judged_in_fp32"])
+def test_bf16_verify_leaves_no_trace(config):
+    """The fp32 computations (autocast off, the prepared model's own forward swapped) leave the
+    run bitwise as without verification: gradients, AdamW state, random states, counters, weights."""
+    from tests.test_trl_verify import TIMES, Tracer, same
+
+    runs = []
+    for options in (VERIFY, {"tiled_loss": True}):
+        tracer = Tracer()
+        verify_log.reset("trl")
+        result = train(True, options, steps=2, bf16=True, reward_funcs=tiny_model.reward_char_sum,
+                       optim="adamw_torch", callbacks=[tracer.callback], trainer_hook=tracer.hook, **config)
+        runs.append((result, tracer))
+    (verified_run, mine), (plain, theirs) = runs
+    assert any(figures(verified_run)) and not any(figures(plain))
+    assert same(mine.grads, theirs.grads) and len(mine.after) == 2
+    for a, b in zip(mine.after, theirs.after):
+        assert all(same(a[k], b[k]) for k in a), [k for k in a if not same(a[k], b[k])]
+    assert verified_run.same_weights(plain) and verified_run.savings == plain.savings
+    strip = lambda row: {k: v for k, v in row.items() if not k.startswith(PREFIX) and k not in TIMES}  # noqa: E731
+    assert [strip(r) for r in verified_run.log_history] == [strip(r) for r in plain.log_history]

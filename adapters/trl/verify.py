@@ -16,8 +16,11 @@ Trainer counts them), :class:`MicroStep`:
    :func:`grpo_patches.verify.compare_gradients`. The unpatched computation is TRL's own
    ``compute_loss`` inside ``FRAMEWORK.unpatched()`` (every other record passes through), on the inputs
    unpatched TRL has (its old-logprob pass where the patches skipped or deferred it). In bf16 /
-   fp16 the unpatched computation is repeated with the rows in reverse order: the noise floor
-   (``grpo_patches/verify/grad_noise_floor``) the tolerance is 10 times of.
+   fp16 (:mod:`grpo_patches.verify_gradients`) over fp32 weights, TRL's loss with autocast off
+   (:mod:`.verify_precision`) is the reference and ``grpo_patches/verify/grad_noise_floor`` TRL's
+   own bf16 distance from it; an entropy mask (discontinuous in bf16) is judged with both
+   computations in fp32; over bf16 weights the unpatched computation is repeated with the rows
+   in reverse order (the noise floor).
 
 Every rank runs the same computations and :func:`grpo_patches.verify.check` agrees on each
 figure (one all-reduce), so all ranks reach the same verdict. The micro-step returns the chosen
