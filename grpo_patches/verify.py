@@ -22,7 +22,8 @@ the tolerance, ``verify_action="raise"`` raises :class:`~grpo_patches.errors.Exa
 A verify step must leave no trace besides its metrics: :func:`preserved_rng` restores the
 random states the extra computation consumed (:func:`rng_state` / :func:`set_rng_state` let an
 adapter leave the state the chosen computation left), :func:`grads_of` does not touch ``.grad``.
-:func:`compare_gradients` is the gradient comparison of one micro-batch every adapter runs.
+The gradient comparison of one micro-batch every adapter runs is
+:func:`grpo_patches.verify_gradients.compare_gradients`, built on this module.
 The measuring functions live in :mod:`grpo_patches.verify_measure` and are re-exported here.
 torch is imported only by the functions that compute.
 """
@@ -183,5 +184,3 @@ def check(framework: str, optimizations: Sequence[str], step: int, quantity: str
     return Verdict(False, agreed, limit, metrics, reason)
 
 
-# the gradient comparison of one micro-batch, on top of the above (it imports this module)
-from grpo_patches.verify_gradients import GradientCheck, compare_gradients, judge_gradients  # noqa: E402,F401

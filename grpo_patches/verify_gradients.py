@@ -1,4 +1,4 @@
-"""Verify mode's gradient comparison of one micro-batch (re-exported by :mod:`grpo_patches.verify`).
+"""Verify mode's gradient comparison of one micro-batch, on :mod:`grpo_patches.verify`.
 
 The judgement follows the precision the computation really has:
 

@@ -27,6 +27,7 @@ from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import ExactnessError  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow, WrongTiledHead, past_the_contract  # noqa: E402
 from tests.helpers.trl_runs import needs_tiled  # noqa: E402
+from tests.helpers.trl_trace import TIMES, Tracer, same  # noqa: E402
 from grpo_patches_testing.trl_train import train  # noqa: E402
 
 pytestmark = [pytest.mark.slow, needs_tiled]
@@ -106,8 +107,6 @@ def test_a_planted_fault_is_caught(fault, bf16, record_property):
 def test_bf16_verify_leaves_no_trace(config):
     """The fp32 computations (autocast off, the prepared model's own forward swapped) leave the
     run bitwise as without verification: gradients, AdamW state, random states, counters, weights."""
-    from tests.test_trl_verify import TIMES, Tracer, same
-
     runs = []
     for options in (VERIFY, {"tiled_loss": True}):
         tracer = Tracer()

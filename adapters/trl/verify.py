@@ -13,7 +13,7 @@ Trainer counts them), :class:`MicroStep`:
    ``grpo_patches/verify/old_logprob_max_abs_diff`` (:mod:`.verify_rows`);
 3. zero-advantage filter / tiled loss, when they ran: the micro-step's gradient both ways
    (``.grad`` untouched), ``grpo_patches/verify/grad_rel_diff`` (relative L2), through
-   :func:`grpo_patches.verify.compare_gradients`. The unpatched computation is TRL's own
+   :func:`grpo_patches.verify_gradients.compare_gradients`. The unpatched computation is TRL's own
    ``compute_loss`` inside ``FRAMEWORK.unpatched()`` (every other record passes through), on the inputs
    unpatched TRL has (its old-logprob pass where the patches skipped or deferred it). In bf16 /
    fp16 (:mod:`grpo_patches.verify_gradients`) over fp32 weights, TRL's loss with autocast off
@@ -48,7 +48,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Callable, Mapping
 
-from grpo_patches import verify
+from grpo_patches import verify, verify_gradients
 from grpo_patches.call_args import bind
 
 from . import FRAMEWORK, logprob_pass, metrics, state, verify_precision, verify_rows
@@ -174,7 +174,7 @@ class MicroStep:
         if flips and not fp32:  # nothing to judge it in: said in status(), never an alarm
             verify_precision.note_unjudged(self.trainer, flips)
             return self.finish(patched_loss, patched_end)
-        result = verify.compare_gradients(
+        result = verify_gradients.compare_gradients(
             FRAMEWORK.name, names, self.step, [p for p in self.model.parameters() if p.requires_grad],
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,

@@ -3,7 +3,7 @@
 With ``bf16=True`` / ``fp16=True`` and fp32 weights (GRPOConfig's default: autocast), TRL's loss
 can be recomputed in fp32 by turning autocast off: the fp32 reference a patched gradient is
 judged against. Autocast comes from Accelerate twice: baked into the prepared model's
-``forward`` (the plain one kept as ``_original_forward``) and ``accelerator.autocast()``, which
+``forward`` (the plain one kept as ``_original_forward``; inside the DDP / FSDP wrapper) and ``accelerator.autocast()``, which
 TRL's log-prob method enters itself; :func:`full_precision` puts the plain ``forward`` in place
 and makes the accelerator's context a no-op (``native_amp`` off) for the duration. With bf16 weights there is no fp32 computation without a copy of the model: the
 reversed-rows noise floor judges it.
@@ -48,6 +48,8 @@ def full_precision(trainer: Any, model: Any) -> Iterator[None]:
     import torch
 
     device = next(iter(model.parameters())).device.type
+    while "_original_forward" not in model.__dict__ and hasattr(model, "module"):  # under DDP / FSDP
+        model = model.module
     saved, plain = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
     accelerator = getattr(trainer, "accelerator", None)
     amp = getattr(accelerator, "native_amp", None)
