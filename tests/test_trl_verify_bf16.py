@@ -55,13 +55,17 @@ def figures(result) -> list[dict]:
 ], ids=["dr_grpo", "num_iterations_2", "entropy_mask"])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 def test_tiled_loss_raises_no_false_alarm(config, bf16, record_property):
-    got = verified(bf16=bf16, **config)
+    """(bf16 with the entropy mask: 8 steps; at the fourth the mask ties at the quantile in fp32 too,
+    0.13 without the patched masks replayed to TRL's.)"""
+    got = verified(bf16=bf16, steps=8 if bf16 and "top_entropy_quantile" in config else 2, **config)
     report = got.status["verify"]
-    assert report["failures"] == [] and report["steps_verified"] == 2
     rows = figures(got)
-    assert len(rows) == 2 and all("grad_rel_diff" in row for row in rows)
+    assert report["failures"] == [] and report["steps_verified"] == len(rows) >= 2
+    assert all("grad_rel_diff" in row for row in rows)
     worst = max(row["grad_rel_diff"] for row in rows)
     record_property("worst_grad_rel_diff", worst)
+    if bf16 and "top_entropy_quantile" in config:  # the fp32 pair under one mask; its entropies compared
+        assert all(row["entropy_max_abs_diff"] <= 1e-5 for row in rows), rows
     if not bf16 or "top_entropy_quantile" in config:  # judged in fp32: no floor, the fp32 tolerance
         assert worst <= 1e-6 and not any("grad_noise_floor" in row for row in rows)
         record_property("worst_over_tolerance", worst / verify.FP32_TOLERANCE)

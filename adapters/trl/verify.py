@@ -105,6 +105,7 @@ class MicroStep:
         self.trace = Trace(trainer)
         self.start = verify.rng_state()
         self.figures: dict[str, float] = {}
+        self.masks = verify_precision.EntropyMasks(trainer)
         self.unpatched_end: tuple | None = None
 
     def patched(self) -> tuple[Any, state.LossCall, tuple]:
@@ -127,12 +128,18 @@ class MicroStep:
         return self.unpatched(self.on_policy_upstream(), fp32=True)[0]
 
     def patched_fp32(self) -> Any:
-        """The patched computation again, autocast off (its trace dropped)."""
+        """The patched computation again, autocast off (its trace dropped), its entropy masks recorded."""
         verify.set_rng_state(self.start)
-        with verify_precision.full_precision(self.trainer, self.model), state.LOSS.entered(state.LossCall(verifying=True)):
+        with verify_precision.full_precision(self.trainer, self.model), self.masks.recording(), \
+                state.LOSS.entered(state.LossCall(verifying=True)):
             loss = self.wrapped(*self.args, **self.kwargs)
         self.trace.take()
         return loss
+
+    def unpatched_fp32(self) -> Any:
+        """The reference with the patched computation's entropy masks (:class:`.verify_precision.EntropyMasks`)."""
+        with self.masks.replaying():
+            return self.reference()
 
     def on_policy_upstream(self) -> Mapping[str, Any]:
         """TRL's inputs for an fp32 judgement: a rollout whose pass the recompute decision skipped
@@ -179,7 +186,7 @@ class MicroStep:
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,
             reference=self.reference if fp32 else None,
-            exact=(self.patched_fp32, self.reference) if flips else None,
+            exact=(self.patched_fp32, self.unpatched_fp32) if flips else None,
             dtype=verify_rows.compute_dtype(self.trainer),
             detail="the micro-step's gradient against TRL's unpatched loss" + (
                 "" if bool(patched_loss.detach().isfinite().all()) else
@@ -188,6 +195,15 @@ class MicroStep:
         self.figures.update(result.verdict.metrics)
         if result.noise_floor is not None:
             self.figures[NOISE_METRIC] = result.noise_floor
+        entropies = self.masks.max_abs_diff()
+        if result.patched and entropies is not None:  # the entropies the replayed masks came from
+            verdict = verify.check(FRAMEWORK.name, names, self.step, "entropy_max_abs_diff", entropies,
+                                   verify.tolerance(FRAMEWORK.name), detail="the entropies of TRL's entropy mask, fp32")
+            self.figures.update(verdict.metrics)
+            if not verdict.ok:
+                verify_rows.note_switched_off(self.trainer, verdict, names)
+                verify_rows.unpatch_buffer(self.trainer)
+                return self.finish(*self.unpatched())
         if result.patched:
             return self.finish(result.loss, patched_end)
         verify_rows.note_switched_off(self.trainer, result.verdict, names)

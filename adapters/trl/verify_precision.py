@@ -70,3 +70,50 @@ def full_precision(trainer: Any, model: Any) -> Iterator[None]:
 def note_unjudged(trainer: Any, reason: str) -> None:
     FRAMEWORK.note(NOTE, f"not judged: {reason}, and bf16 weights leave no fp32 computation to judge it in",
                    owner=trainer)
+
+
+class EntropyMasks:
+    """TRL's entropy mask is a quantile of the entropies: where tokens' entropies tie to within
+    fp32 rounding (a small model's near-uniform ones do), even fp32 flips it. For the fp32 pair
+    the patched computation's masks are recorded (:meth:`recording`) and replayed to TRL's
+    (:meth:`replaying`, call by call, same shape), so the gradients are compared under one
+    decision; the entropies the two took it from are compared on their own (:meth:`max_abs_diff`).
+    Every rank records and replays the same calls (TRL's gather runs in the recording)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer, self.recorded, self.replayed = trainer, [], []
+
+    @contextlib.contextmanager
+    def _answering(self, answer: Any) -> Iterator[None]:
+        own = self.trainer.get_high_entropy_mask  # the bound method (class attribute)
+        self.trainer.get_high_entropy_mask = lambda entropies, mask, threshold: answer(own, entropies, mask,
+                                                                                         threshold)
+        try:
+            yield
+        finally:  # (the micro-step's Trace may have taken it back already)
+            vars(self.trainer).pop("get_high_entropy_mask", None)
+
+    def recording(self) -> Any:
+        def record(own: Any, entropies: Any, mask: Any, threshold: float) -> Any:
+            result = own(entropies, mask, threshold)
+            self.recorded.append((entropies.detach().clone(), result))
+            return result
+
+        return self._answering(record)
+
+    def replaying(self) -> Any:
+        def replay(own: Any, entropies: Any, mask: Any, threshold: float) -> Any:
+            index = len(self.replayed)
+            if index < len(self.recorded) and self.recorded[index][0].shape == entropies.shape:
+                self.replayed.append(entropies.detach().clone())
+                return self.recorded[index][1]
+            return own(entropies, mask, threshold)
+
+        return self._answering(replay)
+
+    def max_abs_diff(self) -> float | None:
+        """The largest entropy difference of the replayed calls (``None``: none replayed)."""
+        if not self.replayed:
+            return None
+        return max(float((mine - theirs).abs().max()) if mine.numel() else 0.0
+                   for (theirs, _), mine in zip(self.recorded, self.replayed))
