@@ -21,10 +21,8 @@ advantages, SGD in fp32 (``bf16=False``).
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
-import random
 import warnings
 
 import pytest
@@ -39,6 +37,7 @@ from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, PlaceholderError  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow, past_the_contract  # noqa: E402
 from tests.helpers.trl_runs import gmpo_class, needs_tiled  # noqa: E402
+from tests.helpers.trl_trace import TIMES, Tracer, same  # noqa: E402
 from tests.helpers.trl_runs import run as filter_test_run  # noqa: E402
 from grpo_patches_testing import scratch  # noqa: E402
 from grpo_patches_testing.trl_train import train  # noqa: E402
@@ -47,8 +46,6 @@ pytestmark = pytest.mark.slow
 
 COMMON = dict(reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")
 PREFIX = "grpo_patches/verify/"
-#: log entries that are wall-clock times, different in any two runs
-TIMES = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
 @pytest.fixture(autouse=True)
@@ -64,35 +61,6 @@ def train_verified(options: dict, steps: int, **kwargs):
     return train(True, options, steps=steps, **{**COMMON, **kwargs})
 
 
-class Tracer:
-    """What a training run leaves besides weights and logs, per optimizer step: the accumulated
-    gradients before the update, then the optimizer state, the random states and the step
-    counters (HF's ``global_step``, TRL's micro-step ``_step``)."""
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        self.trainer, self.grads, self.after = None, [], []
-        tracer = self
-
-        class Callback(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-                tracer.grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-
-            def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-                import numpy
-
-                tracer.after.append(dict(
-                    optimizer=copy.deepcopy(optimizer.state_dict()["state"]), torch_rng=torch.get_rng_state(),
-                    python_rng=random.getstate(), numpy_rng=numpy.random.get_state()[1].copy(),
-                    global_step=state.global_step, micro_step=tracer.trainer._step))
-
-        self.callback = Callback()
-
-    def hook(self, trainer) -> None:
-        self.trainer = trainer
-
-
 @functools.lru_cache(maxsize=None)
 def run(verify_every: int | None, steps: int = 2, reentrant: bool = False, dropout: bool = False, **options):
     """A traced run (:class:`Tracer`, ``result.extra["trace"]``) with AdamW (``dropout``: the
@@ -106,19 +74,6 @@ def run(verify_every: int | None, steps: int = 2, reentrant: bool = False, dropo
                             trainer_hook=tracer.hook, **config)
     result.extra["trace"] = tracer
     return result
-
-
-def same(a, b) -> bool:
-    """Bitwise equality of nested tensors / arrays / containers."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if hasattr(a, "shape"):  # numpy
-        return bool((a == b).all())
-    return a == b
 
 
 def verify_rows(result) -> list[dict]:

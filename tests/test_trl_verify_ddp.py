@@ -5,6 +5,8 @@ Every rank verifies every micro-step and :func:`grpo_patches.verify.check` agree
 (one all-reduce, the maximum): the ranks log the same figures and reach the same verdict. A
 plugin that drops a row with a non-zero advantage on rank 1 only makes both ranks raise on the
 first verify step (rank 0's own difference is ~1e-7): neither hangs in a collective nor trains on.
+In bf16 with the tiled loss, the fp32 reference is found under the DDP wrapper (Accelerate's
+autocast forward sits on the inner module): TRL's own bf16 distance from it is real, no alarm.
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
     from grpo_patches_testing.trl_train import train
 
     outcomes: dict = {}
-    for scenario in ("correct", "fault"):
+    for scenario in ("correct", "fault", "bf16_tiled"):
         plugins = [DropsANonZeroRow()] if scenario == "fault" and rank == 1 else []
+        bf16 = scenario == "bf16_tiled"
         outcome = outcomes[scenario] = {}
         verify_log.reset("trl")
         try:
             with past_the_contract():  # the planted fault breaks the filter's contract: verify mode is under test
-                result = train(True, {"verify_every": 1}, steps=1, plugins=plugins, model_path=model_path,
-                               reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd")
+                result = train(True, {"verify_every": 1, "tiled_loss": bf16}, steps=1, plugins=plugins,
+                               model_path=model_path, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=bf16,
+                               optim="sgd")
             outcome["rows"] = [{k: v for k, v in row.items() if k.startswith("grpo_patches/verify/")}
                                for row in result.log_history if "loss" in row]
             outcome["verify"] = result.status["verify"]
@@ -95,3 +99,12 @@ def test_a_fault_on_one_rank_stops_both(ranks):
     assert errors[0] is not None and errors[0] == errors[1]  # the same agreed figure on both ranks
     step, quantity, optimizations, measured = errors[0]
     assert (step, quantity) == (0, "grad_rel_diff") and "zero_advantage_filter" in optimizations and measured > 1e-3
+
+
+def test_bf16_tiled_loss_is_judged_against_an_fp32_reference_under_ddp(ranks):
+    got = [rank["bf16_tiled"] for rank in ranks]
+    assert all("error" not in rank for rank in got), [rank.get("error") for rank in got]
+    assert got[0]["rows"] == got[1]["rows"] and got[0]["verify"]["failures"] == []
+    (figures,) = got[0]["rows"]
+    floor = figures["grpo_patches/verify/grad_noise_floor"]
+    assert 1e-4 < floor < 3e-2 and figures["grpo_patches/verify/grad_rel_diff"] <= 2 * floor

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import grpo_patches
-from grpo_patches import verify, verify_log
+from grpo_patches import verify, verify_gradients, verify_log
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, OptionError
 from grpo_patches.options import Options, parse_env_options
 from tests.helpers.fakefw_site import make_site
@@ -314,7 +314,8 @@ def test_compare_gradients_keeps_the_patched_gradient_within_tolerance(fakefw):
     grpo_patches.enable("fakefw", verify_every=1)
     params, patched, unpatched, repeat = _losses()
     reference = verify.grads_of(unpatched(), params)
-    result = verify.compare_gradients("fakefw", ["tiled_loss"], 0, params, patched, unpatched, repeat, torch.float32)
+    result = verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 0, params, patched, unpatched, repeat,
+                                                torch.float32)
     assert result.patched and result.verdict.ok and result.noise_floor is None  # fp32: no repeat
     assert result.verdict.metrics == {"grpo_patches/verify/grad_rel_diff": 0.0}
     assert all(p.grad is None for p in params)  # nothing accumulated until the framework's backward
@@ -326,11 +327,11 @@ def test_compare_gradients_raises_or_uses_the_unpatched_gradient(fakefw):
     grpo_patches.enable("fakefw", verify_every=1)
     params, patched, unpatched, repeat = _losses(scale=1.01)
     with pytest.raises(ExactnessError, match="grad_rel_diff = 1.000e-02"):
-        verify.compare_gradients("fakefw", ["tiled_loss"], 7, params, patched, unpatched)
+        verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 7, params, patched, unpatched)
     grpo_patches.enable("fakefw", verify_every=1, verify_action="disable")
     reference = verify.grads_of(unpatched(), params)
     with pytest.warns(GrpoPatchesWarning, match="tiled_loss switched off by verification at step 7"):
-        result = verify.compare_gradients("fakefw", ["tiled_loss"], 7, params, patched, unpatched)
+        result = verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 7, params, patched, unpatched)
     assert not result.patched and result.loss.item() == pytest.approx(unpatched().item())
     assert result.verdict.reason.startswith("switched off by verification at step 7: grad_rel_diff")
     result.loss.backward()
@@ -346,8 +347,47 @@ def test_compare_gradients_in_half_precision_measures_the_noise_floor(fakefw):
         calls.append(1)
         return repeat()
 
-    result = verify.compare_gradients("fakefw", ["tiled_loss"], 0, params, patched, unpatched, counted_repeat,
-                                      torch.bfloat16)
+    result = verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 0, params, patched, unpatched,
+                                                counted_repeat, torch.bfloat16)
     assert calls == [1] and result.noise_floor is not None and result.noise_floor < 1e-5  # fp32 math here
     assert result.verdict.tolerance == pytest.approx(verify.tolerance("fakefw", torch.bfloat16, result.noise_floor))
 
+
+def test_against_an_fp32_reference_a_more_accurate_patched_gradient_passes(fakefw):
+    """Half precision with a reference: ``grad_rel_diff`` is the patched gradient's distance from
+    it, the floor the unpatched one's; a patched result nearer the reference than upstream passes
+    however far it is from upstream, one over twice upstream's distance fails."""
+    grpo_patches.enable("fakefw", verify_every=1)
+    params, exact, _, _ = _losses()
+    upstream, near = (lambda: exact() * 1.05), (lambda: exact() * 1.01)  # upstream "rounds" 5 %
+    result = verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 0, params, near, upstream,
+                                                dtype=torch.bfloat16, reference=exact)
+    assert result.patched and result.noise_floor == pytest.approx(0.05, rel=1e-4)
+    assert result.verdict.measured == pytest.approx(0.01, rel=1e-4)
+    assert result.verdict.tolerance == pytest.approx(verify.REFERENCE_FACTOR * 0.05, rel=1e-4)
+    with pytest.raises(ExactnessError, match="grad_rel_diff = 1.200e-01"):
+        verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 0, params, lambda: exact() * 1.12, upstream,
+                                           dtype=torch.bfloat16, reference=exact)
+
+
+def test_a_discontinuous_configuration_is_judged_in_fp32(fakefw):
+    """``exact``: the verdict is the fp32 pair's (the fp32 tolerance); the half-precision patched
+    result is the one used; the unpatched computation runs only on a mismatch."""
+    grpo_patches.enable("fakefw", verify_every=1)
+    params, exact, _, _ = _losses()
+    calls = []
+
+    def unpatched():
+        calls.append(1)
+        return exact() * 1.3  # a flipped mask: far from the patched half-precision result
+
+    half = lambda: exact() * 0.9  # noqa: E731
+    result = verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 0, params, half, unpatched,
+                                                dtype=torch.bfloat16, exact=(exact, exact))
+    assert result.patched and calls == [] and result.verdict.tolerance == verify.FP32_TOLERANCE
+    assert result.loss.item() == pytest.approx(half().item())
+    grpo_patches.enable("fakefw", verify_every=1, verify_action="disable")
+    with pytest.warns(GrpoPatchesWarning, match="judged in fp32"):
+        result = verify_gradients.compare_gradients("fakefw", ["tiled_loss"], 0, params, half, unpatched,
+                                                    dtype=torch.bfloat16, exact=(lambda: exact() * 1.001, exact))
+    assert not result.patched and calls == [1]

@@ -29,7 +29,7 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
    one row per micro-batch, ``grpo_patches/verify/grad_noise_floor``, never taken below a tenth
    of the epsilon, :func:`grpo_patches.verify.tolerance`; with sequence packing, whose forward
    the layout changes, the epsilon stands in)
-   (:func:`grpo_patches.verify.judge_gradients`; not compared when the first check failed: the
+   (:func:`grpo_patches.verify_gradients.judge_gradients`; not compared when the first check failed: the
    unpatched result is used then anyway, and the difference would be blamed on them);
 4. leaves ``.grad`` holding exactly the chosen gradient, the random state and NeMo-RL's
    per-micro-batch results as the chosen computation left them (the unpatched ones fitted to
@@ -52,7 +52,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from grpo_patches import verify, verify_log
+from grpo_patches import verify, verify_gradients, verify_log
 from grpo_patches.call_args import CallArgs, bind
 from grpo_patches.errors import ExactnessError
 
@@ -223,7 +223,7 @@ class GlobalBatchCheck:
             self.record(verify.Verdict(True, measured, limit, {verify.METRIC_PREFIX + quantity: measured}), [SKIP],
                         failed)
         if self.names and not failed:
-            verdict = verify.judge_gradients(FRAMEWORK.name, self.names, self.step, patched_grads, plain_grads,
+            verdict = verify_gradients.judge_gradients(FRAMEWORK.name, self.names, self.step, patched_grads, plain_grads,
                                              dtype=self.dtype, noise_floor=floor, group=self.group,
                                              detail="the optimizer step's gradient against NeMo-RL's unpatched one")
             self.record(verdict, self.names, failed)

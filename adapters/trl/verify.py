@@ -13,11 +13,14 @@ Trainer counts them), :class:`MicroStep`:
    ``grpo_patches/verify/old_logprob_max_abs_diff`` (:mod:`.verify_rows`);
 3. zero-advantage filter / tiled loss, when they ran: the micro-step's gradient both ways
    (``.grad`` untouched), ``grpo_patches/verify/grad_rel_diff`` (relative L2), through
-   :func:`grpo_patches.verify.compare_gradients`. The unpatched computation is TRL's own
+   :func:`grpo_patches.verify_gradients.compare_gradients`. The unpatched computation is TRL's own
    ``compute_loss`` inside ``FRAMEWORK.unpatched()`` (every other record passes through), on the inputs
    unpatched TRL has (its old-logprob pass where the patches skipped or deferred it). In bf16 /
-   fp16 the unpatched computation is repeated with the rows in reverse order: the noise floor
-   (``grpo_patches/verify/grad_noise_floor``) the tolerance is 10 times of.
+   fp16 (:mod:`grpo_patches.verify_gradients`) over fp32 weights, TRL's loss with autocast off
+   (:mod:`.verify_precision`) is the reference and ``grpo_patches/verify/grad_noise_floor`` TRL's
+   own bf16 distance from it; an entropy mask (discontinuous in bf16) is judged with both
+   computations in fp32; over bf16 weights the unpatched computation is repeated with the rows
+   in reverse order (the noise floor).
 
 Every rank runs the same computations and :func:`grpo_patches.verify.check` agrees on each
 figure (one all-reduce), so all ranks reach the same verdict. The micro-step returns the chosen
@@ -45,10 +48,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Callable, Mapping
 
-from grpo_patches import verify
+from grpo_patches import verify, verify_gradients
 from grpo_patches.call_args import bind
 
-from . import FRAMEWORK, logprob_pass, metrics, state, verify_rows
+from . import FRAMEWORK, logprob_pass, metrics, state, verify_precision, verify_rows
 from .row_subsets import is_multimodal
 from .verify_trace import Trace
 
@@ -102,6 +105,7 @@ class MicroStep:
         self.trace = Trace(trainer)
         self.start = verify.rng_state()
         self.figures: dict[str, float] = {}
+        self.masks = verify_precision.EntropyMasks(trainer)
         self.unpatched_end: tuple | None = None
 
     def patched(self) -> tuple[Any, state.LossCall, tuple]:
@@ -111,12 +115,39 @@ class MicroStep:
             loss = self.wrapped(*self.args, **self.kwargs)
         return loss, call, (self.trace.take(), verify.rng_state())
 
-    def unpatched(self, inputs: Mapping[str, Any] | None = None) -> tuple[Any, tuple]:
-        """TRL's own computation on the inputs unpatched TRL has, from the same random state."""
+    def unpatched(self, inputs: Mapping[str, Any] | None = None, fp32: bool = False) -> tuple[Any, tuple]:
+        """TRL's own computation on the inputs unpatched TRL has, from the same random state
+        (``fp32``: autocast off, :func:`.verify_precision.full_precision`)."""
         verify.set_rng_state(self.start)
-        with FRAMEWORK.unpatched():
+        with FRAMEWORK.unpatched(), verify_precision.full_precision(self.trainer, self.model) if fp32 else nullcontext():
             loss = self.arguments.call(self.wrapped, inputs=inputs or self.upstream)
         return loss, (self.trace.take(), verify.rng_state())
+
+    def reference(self) -> Any:
+        """TRL's loss in fp32 (autocast off; :meth:`on_policy_upstream`'s inputs), its trace dropped."""
+        return self.unpatched(self.on_policy_upstream(), fp32=True)[0]
+
+    def patched_fp32(self) -> Any:
+        """The patched computation again, autocast off (its trace dropped), its entropy masks recorded."""
+        verify.set_rng_state(self.start)
+        with verify_precision.full_precision(self.trainer, self.model), self.masks.recording(), \
+                state.LOSS.entered(state.LossCall(verifying=True)):
+            loss = self.wrapped(*self.args, **self.kwargs)
+        self.trace.take()
+        return loss
+
+    def unpatched_fp32(self) -> Any:
+        """The reference with the patched computation's entropy masks (:class:`.verify_precision.EntropyMasks`)."""
+        with self.masks.replaying():
+            return self.reference()
+
+    def on_policy_upstream(self) -> Mapping[str, Any]:
+        """TRL's inputs for an fp32 judgement: a rollout whose pass the recompute decision skipped
+        (checked on its own, ``old_logprob_max_abs_diff``) reads its current log-probs, as the
+        patched loss does, not TRL's pass rounded in half precision."""
+        if self.match is None or not self.match.rollout.skipped:
+            return self.upstream
+        return {**self.upstream, "old_per_token_logps": None}
 
     def run(self) -> Any:
         loss, call, end = self.patched()
@@ -145,10 +176,17 @@ class MicroStep:
         def repeat() -> Any:
             return self.unpatched(reversed_rows(self.upstream))[0]
 
-        result = verify.compare_gradients(
+        fp32 = verify_precision.has_fp32_reference(self.trainer, self.model)
+        flips = verify_precision.discontinuous(self.trainer) if verify_rows.is_half(self.trainer) else None
+        if flips and not fp32:  # nothing to judge it in: said in status(), never an alarm
+            verify_precision.note_unjudged(self.trainer, flips)
+            return self.finish(patched_loss, patched_end)
+        result = verify_gradients.compare_gradients(
             FRAMEWORK.name, names, self.step, [p for p in self.model.parameters() if p.requires_grad],
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,
+            reference=self.reference if fp32 else None,
+            exact=(self.patched_fp32, self.unpatched_fp32) if flips else None,
             dtype=verify_rows.compute_dtype(self.trainer),
             detail="the micro-step's gradient against TRL's unpatched loss" + (
                 "" if bool(patched_loss.detach().isfinite().all()) else
@@ -157,6 +195,15 @@ class MicroStep:
         self.figures.update(result.verdict.metrics)
         if result.noise_floor is not None:
             self.figures[NOISE_METRIC] = result.noise_floor
+        entropies = self.masks.max_abs_diff()
+        if result.patched and entropies is not None:  # the entropies the replayed masks came from
+            verdict = verify.check(FRAMEWORK.name, names, self.step, "entropy_max_abs_diff", entropies,
+                                   verify.tolerance(FRAMEWORK.name), detail="the entropies of TRL's entropy mask, fp32")
+            self.figures.update(verdict.metrics)
+            if not verdict.ok:
+                verify_rows.note_switched_off(self.trainer, verdict, names)
+                verify_rows.unpatch_buffer(self.trainer)
+                return self.finish(*self.unpatched())
         if result.patched:
             return self.finish(result.loss, patched_end)
         verify_rows.note_switched_off(self.trainer, result.verdict, names)

@@ -49,3 +49,18 @@ def past_the_contract(hook: str = "grpo_filter_zero_advantage") -> Iterator[None
         yield
     finally:
         hook_contracts.CONTRACTS[hook] = check
+
+
+class WrongTiledHead:
+    """A faulty ``grpo_lm_head_loss``: the tiled loss with its temperature or its head weight off by
+    a small factor (a wrong transform, a stale or mis-gathered weight shard)."""
+
+    def __init__(self, temperature: float = 1.0, weight: float = 1.0) -> None:
+        self.temperature, self.weight = temperature, weight
+
+    @grpo_patches.hookimpl
+    def grpo_lm_head_loss(self, hidden, weight, labels, advantages, mask, options):
+        from grpo_patches.tiled_loss import tiled_grpo_loss
+
+        skewed = {**options, "temperature": options.get("temperature", 1.0) * self.temperature}
+        return tiled_grpo_loss(hidden, weight * self.weight, labels, advantages, mask, **skewed)
