@@ -49,22 +49,64 @@ def _filter(answer: Any, kwargs: Mapping[str, Any]) -> str | None:
         return "keep must be a 1-D integer tensor of row indices"
     if keep.numel() == 0 and rows:
         return "it must keep at least one row (a zero-advantage row at weight 0 when every advantage is 0)"
+    weights, advantages = answer.weights, kwargs["advantages"]
+    # Called on every micro-batch: every rule is reduced on the tensors' own device and read with
+    # one host sync; which rule broke (and which rows) is worked out on the host only when one did.
+    if _weights_fit(weights, keep) and bool(_filter_holds(keep, weights, advantages, mask)):
+        return None
+    return _filter_broken_rule(keep, weights, advantages, mask)
+
+
+def _weights_fit(weights: Any, keep: "torch.Tensor") -> bool:
+    import torch
+
+    return isinstance(weights, torch.Tensor) and tuple(weights.shape) == (int(keep.numel()),)
+
+
+def _useful_rows(advantages: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+    """Rows with a non-zero unmasked advantage, as the default filter reads them ([rows] bool)."""
+    advantages = advantages.detach()
+    per_token = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    return ((per_token != 0) & (mask.detach().to(advantages.device) != 0)).any(dim=1)
+
+
+def _filter_holds(keep: "torch.Tensor", weights: "torch.Tensor", advantages: "torch.Tensor",
+                  mask: "torch.Tensor") -> "torch.Tensor":
+    """Every device-side rule of a filter plan, reduced to one 0-d bool tensor (no host sync)."""
+    import torch
+
+    useful = _useful_rows(advantages, mask)
+    rows, device = int(mask.shape[0]), useful.device
+    keep = keep.detach().to(device)
+    inside = (keep >= 0) & (keep < rows)
+    holds = inside.all() & (keep[1:] > keep[:-1]).all()
+    weights = weights.detach()
+    holds = holds & (torch.isfinite(weights) & (weights >= 0)).all().to(device)
+    # An index outside [0, rows) lands in a spare last slot, so indexing never faults (that rule
+    # has failed already); the rows left True are the ones the plan dropped.
+    dropped = torch.ones(rows + 1, dtype=torch.bool, device=device)
+    dropped[torch.where(inside, keep, rows)] = False
+    return holds & ~(dropped[:rows] & useful).any()
+
+
+def _filter_broken_rule(keep: "torch.Tensor", weights: "torch.Tensor", advantages: "torch.Tensor",
+                        mask: "torch.Tensor") -> str | None:
+    """The first rule a filter plan breaks, in words naming the rows (the error path: host copies)."""
+    import torch
+
+    rows = int(mask.shape[0])
     kept = keep.detach().cpu()
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= rows):
         return f"keep holds row indices outside [0, {rows})"
     if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
         return "keep must be ascending and without repeats (the rows' original order)"
-    weights = answer.weights
-    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (int(keep.numel()),):
+    if not _weights_fit(weights, keep):
         return f"weights must be a tensor of one weight per kept row ([{int(keep.numel())}])"
     if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
         return "weights must be finite and >= 0"
-    advantages = kwargs["advantages"].detach().cpu()
-    per_token = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    nonzero = ((per_token != 0) & (mask.detach().cpu() != 0)).any(dim=1)  # a useful row, as the default reads it
     dropped = torch.ones(rows, dtype=torch.bool)
     dropped[kept] = False
-    lost = torch.nonzero(dropped & nonzero).flatten().tolist()
+    lost = torch.nonzero(dropped & _useful_rows(advantages, mask).cpu()).flatten().tolist()
     if lost:
         return (f"it dropped row(s) {lost[:8]} whose advantage is not exactly 0 (only rows whose every unmasked "
                 "advantage is 0.0 may leave the update)")

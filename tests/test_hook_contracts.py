@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import grpo_patches
-from grpo_patches import plugins
+from grpo_patches import hook_contracts, plugins
 from grpo_patches.errors import HookContractError
 from grpo_patches.reference_pass import ReferencePassDecision
 from grpo_patches.zero_advantage import ZeroAdvantageFilter, filter_zero_advantage
@@ -97,6 +97,34 @@ def test_an_unnamed_plugin_is_named_by_its_class(registered):
             plugins.hook().grpo_filter_zero_advantage(**FILTER)
     finally:
         pm.unregister(plugin)
+
+
+class HostReads(torch.Tensor):
+    """A tensor recording every call that reads it back to the host (ops on it return HostReads too)."""
+
+    READS = frozenset({"cpu", "tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__"})
+    calls: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.READS:
+            cls.calls.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _check_filter_counting_host_reads(keep, weights):
+    HostReads.calls = []
+    plan = ZeroAdvantageFilter(torch.tensor(keep).as_subclass(HostReads),
+                               torch.tensor(weights).as_subclass(HostReads), 4 - len(keep), 0, 0, None)
+    kwargs = dict(FILTER, advantages=ADVANTAGES.as_subclass(HostReads), mask=MASK.as_subclass(HostReads))
+    return hook_contracts.CONTRACTS["grpo_filter_zero_advantage"](plan, kwargs), HostReads.calls
+
+
+def test_the_filter_check_reads_one_bool_back_per_micro_batch_and_copies_rows_only_to_name_them():
+    assert _check_filter_counting_host_reads([0, 2], [1.0, 1.0]) == (None, ["__bool__"])  # the GPU syncs once
+    broken, reads = _check_filter_counting_host_reads([0], [1.0])
+    assert "dropped row(s) [2] whose advantage is not exactly 0" in broken
+    assert {"cpu", "tolist"} <= set(reads)  # the counter sees host copies where they happen
 
 
 @pytest.mark.parametrize(("hook_name", "answer", "kwargs", "rule"), [
