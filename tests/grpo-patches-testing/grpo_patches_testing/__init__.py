@@ -10,7 +10,9 @@ tests and the benchmarks share (grpo_patches never imports it).
   start-up hook in ``nemo_rl_startup/``), :mod:`.nemo_rl_tags` (configs and classes per tag);
 * TRL: :mod:`.trl_train` (``GRPOTrainer`` on the demo's tiny model).
 * open-instruct (from a source checkout): :mod:`.open_instruct_cpu` (the real DeepSpeed learner's
-  ``PolicyTrainerRayProcess.step()`` in-process, one or two gloo ranks), :mod:`.open_instruct_olmo_core`
+  ``PolicyTrainerRayProcess.step()`` in-process, one or two gloo ranks; its CPU stand-ins, records,
+  ranks and DeepSpeed op in ``open_instruct_stand_ins``, ``open_instruct_records``,
+  ``open_instruct_ranks``, ``open_instruct_deepspeed_op``), :mod:`.open_instruct_olmo_core`
   (its OLMo-core learner's ``GRPOTrainModule.train_batch``), :mod:`.open_instruct_batches` (rollouts
   packed and collated by its own code), :mod:`.open_instruct_vllm` (the ``vllm`` import stand-in) and
   ``open_instruct_startup/`` (the start-up hook of its end-to-end runs).
