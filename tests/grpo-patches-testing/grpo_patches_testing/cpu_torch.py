@@ -10,8 +10,8 @@ memory, devices and NVTX ranges; on a CPU machine each kit runner (``nemo_rl_cpu
 * :func:`cuda_to_cpu_mode`: a torch function mode sending every CUDA placement of a torch call there;
   :func:`factories_on_cpu` does the same by rebinding torch's factories and ``Tensor.to`` (for
   processes whose framework runs its calls on threads a mode does not reach);
-* :func:`answer_cuda_queries`, :func:`cuda_is_identity`, :func:`nvtx_noops`: ``torch.cuda``
-  queries answered from one table, ``.cuda()`` as the identity, NVTX ranges as no-ops.
+* :func:`answer_cuda_queries` (:func:`cuda_queries`), :func:`cuda_is_identity`, :func:`nvtx_noops`:
+  ``torch.cuda`` queries answered from one table, ``.cuda()`` as the identity, NVTX ranges as no-ops.
 
 Every change goes through a :class:`Rebinding`, which remembers what was there: ``undo()``
 restores each attribute exactly (an attribute a class only inherited is deleted again) and
@@ -155,10 +155,16 @@ def cuda_is_identity(rebinding: Rebinding, torch: Any, *, tensor: bool = True, p
         rebinding.set(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
 
 
+def cuda_queries(**overrides: Any) -> dict[str, Any]:
+    """:data:`CUDA_ANSWERS` as functions (any arguments, the value back), ``overrides`` replacing values."""
+    return {name: (lambda *a, _v=value, **k: _v) for name, value in {**CUDA_ANSWERS, **overrides}.items()}
+
+
 def answer_cuda_queries(rebinding: Rebinding, torch: Any, names: tuple[str, ...]) -> None:
     """``torch.cuda.<name>(...)`` answers :data:`CUDA_ANSWERS`' value for each of ``names``."""
+    queries = cuda_queries()
     for name in names:
-        rebinding.set(torch.cuda, name, lambda *a, _v=CUDA_ANSWERS[name], **k: _v)
+        rebinding.set(torch.cuda, name, queries[name])
 
 
 def nvtx_noops(rebinding: Rebinding, torch: Any, *, always: bool = False) -> None:

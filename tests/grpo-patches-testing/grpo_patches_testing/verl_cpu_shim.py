@@ -25,30 +25,14 @@ SHIM = cpu_torch.Rebinding()
 
 
 def _device_module() -> types.SimpleNamespace:
-    # the torch.<device> calls verl makes outside offload paths
-    noop = lambda *a, **k: None  # noqa: E731
-    zero = lambda *a, **k: 0  # noqa: E731
-    return types.SimpleNamespace(
-        is_available=lambda: True,
-        get_device_name=lambda *a, **k: "CPU",
-        device_count=lambda: 1,
-        current_device=lambda: "cpu",
-        set_device=noop,
-        synchronize=noop,
-        empty_cache=noop,
-        manual_seed=torch.manual_seed,
-        manual_seed_all=torch.manual_seed,
-        max_memory_allocated=zero,
-        max_memory_reserved=zero,
-        memory_allocated=zero,
-        memory_reserved=zero,
-        reset_peak_memory_stats=noop,
-        mem_get_info=lambda *a, **k: (0, 0),
-        get_rng_state=torch.get_rng_state,
-        set_rng_state=torch.set_rng_state,
-        Stream=None,
-        Event=None,
-    )
+    """The ``torch.<device>`` calls verl makes outside offload paths: :data:`cpu_torch.CUDA_ANSWERS`,
+    but ``current_device()`` is a ``.to()`` target ("cpu"), ``get_device_name()`` keys verl's flops
+    table ("CPU": its CPU figure for MFU) and seeding seeds torch's CPU generator."""
+    return types.SimpleNamespace(**{
+        **cpu_torch.cuda_queries(current_device="cpu", get_device_name="CPU"),
+        "manual_seed": torch.manual_seed, "manual_seed_all": torch.manual_seed, "is_available": lambda: True,
+        "get_rng_state": torch.get_rng_state, "set_rng_state": torch.set_rng_state, "Stream": None, "Event": None,
+    })
 
 
 def _install_08() -> None:
