@@ -14,21 +14,41 @@ processes gave grad norms [11.26, 4.17, 80.6, 42.8] then [11.62, 93.2, 1.4e-4, 7
 once 3.0e18), so a patched run cannot be held to it. At ZeRO-3 the two ranks' patched runs must do
 the same work and end with the same weights (they hang or diverge otherwise); ZeRO-3's exactness is
 proven on one rank (``test_adapter_deepspeed.py::test_zero3_partitioned_lm_head``).
-"""
+
+At ZeRO-2 the run's third optimizer step is ill-conditioned: after two large SGD steps (lr 0.5, grad norms
+11.6 and 93) its gradient is nearly zero (norm 1.4e-4, 1.5e-6 of the largest step's), what is left of terms
+that almost cancel. fp32 rounding alone moves it by 3e-4 to 2e-3 relative, and the trajectory after it by
+~5e-5 (measured 2026-11-29, main; relative difference of step 3's update / of the final weights, against
+unpatched): unpatched with its lm-head's matmul in float64 3.1e-4 / 4.5e-5, with the whole model in float64
+(DeepSpeed still accumulates the gradients and keeps the master weights in fp32: ``engine.get_data_types``)
+6.0e-4 / 5.3e-5, the tiled lm-head 2.1e-3 / 7.7e-5 (tiled in float64 against unpatched in float64: 1.1e-3 /
+2.2e-5); steps 1 and 2 agree to 1.3e-6 in every pair. Every other optimization (old-logprob window,
+reference skip, zero-advantage filter) is bitwise equal to unpatched here. So the tiled lm-head is judged
+against that floor, measured in the same processes
+(:func:`test_two_zero2_ranks_patched_as_unpatched_to_the_fp32_floor`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
-from tests.helpers.open_instruct_compare import ALL_ON_TILED, counts, distance
+from tests.helpers.open_instruct_compare import ALL_ON_TILED, counts, gaps
 
 harness.load()
 
 BASE = harness.Config(steps=1, prompts=8, samples_per_prompt=4, zero_std_groups=(0, 4, 5), seed=3, pack_length=32,
                       world_size=2, num_mini_batches=2, num_epochs=2, temperature=0.7, deepspeed_stage=3)
-CONFIGS = [BASE, harness.replace(BASE, enable=ALL_ON_TILED),
-           harness.replace(BASE, deepspeed_stage=2), harness.replace(BASE, deepspeed_stage=2, enable=ALL_ON_TILED)]
+Z2 = harness.replace(BASE, deepspeed_stage=2, snapshots=True)
+CONFIGS = [BASE, harness.replace(BASE, enable=ALL_ON_TILED), Z2, harness.replace(Z2, enable=ALL_ON_TILED),
+           # the fp32 floor: unpatched, the same arithmetic rounded otherwise
+           harness.replace(Z2, lm_head_float64=True), harness.replace(Z2, float64=True),
+           # the planted fault: the tiled log-probs at temperature 1 (in the ranks' own processes)
+           harness.replace(Z2, enable=ALL_ON_TILED, around="tests.helpers.open_instruct_compare:cold_tiled")]
+
+#: Patched may lie this many times farther from unpatched than the farthest of the unpatched runs that
+#: differ from it by rounding alone, per compared quantity (or TILED_TOL, whichever is larger).
+FLOOR_FACTOR = 10
+TILED_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +73,31 @@ def test_two_ranks_do_the_same_work_and_end_equal(ranks, stage, record_property)
         assert (patched1.weights[name] - weight).abs().max().item() == 0.0, name
 
 
-@pytest.mark.xfail(strict=True, reason="open (2026-11-29, main): patched (all options + tiled) vs unpatched on two "
-                   "ZeRO-2 ranks differs by 2.4e-4 relative (two ZeRO-3 ranks: 1.7e-4 in a run whose baseline held), where one "
-                   "rank gives 6.2e-6 (ZeRO-2) and 6.9e-7 (ZeRO-3); "
-                   "not yet explained")
-def test_two_zero2_ranks_patched_as_unpatched(ranks, record_property):
+def test_two_zero2_ranks_patched_as_unpatched_to_the_fp32_floor(ranks, record_property):
+    """Every optimization and the tiled lm-head on two ZeRO-2 ranks against unpatched: each step's update,
+    grad norm and the final weights within ``FLOOR_FACTOR`` times what rounding alone moves them (module
+    docstring; at least ``TILED_TOL``); the planted fault lies beyond."""
     for rank, results in enumerate(ranks):
-        gap = distance(results[3], results[2])
-        record_property(f"exact_zero2_rank{rank}", gap)
-        assert gap <= 1e-5
+        base, patched, *rounded, faulty = results[2:]
+        floor = _floor([gaps(run, base) for run in rounded])
+        bars = {name: max(TILED_TOL, FLOOR_FACTOR * value) for name, value in floor.items()}
+        gap, fault = gaps(patched, base), gaps(faulty, base)
+        record_property(f"floor_zero2_rank{rank}", _figures(floor))
+        record_property(f"exact_zero2_rank{rank}", _figures(gap))
+        record_property(f"fault_zero2_rank{rank}", _figures(fault))
+        assert all(gap[name] <= bars[name] for name in gap), (_figures(gap), _figures(bars))
+        assert any(fault[name] > bars[name] for name in fault), (_figures(fault), _figures(bars))
+
+
+def _floor(rounded: list[dict[str, float]]) -> dict[str, float]:
+    """Per quantity, the largest gap of the rounded runs; a step's grad norm also that of its update (the
+    norm of a difference bounds the difference of norms)."""
+    floor = {name: max(g[name] for g in rounded) for name in rounded[0]}
+    for name in list(floor):
+        if name.startswith("grad_norm "):
+            floor[name] = max(floor[name], floor.get(name.replace("grad_norm", "update"), 0.0))
+    return floor
+
+
+def _figures(values: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.1e}" for name, value in values.items())

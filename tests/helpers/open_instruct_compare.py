@@ -9,6 +9,8 @@ record each optimizer step's gradient itself.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable
 
 #: The package-level options of every optimization, as a user turns them all on.
@@ -32,21 +34,30 @@ def weights_rel(a: dict, b: dict) -> float:
 
 
 def distance(patched: Any, unpatched: Any) -> float:
-    """The largest relative difference between two runs: grad norms per optimizer step, per-step updates
-    (SGD snapshots, where recorded) and recorded per-step gradients (each step's over all parameters
-    together), final weights (per parameter).
+    """The largest relative difference between two runs: the largest of :func:`gaps`."""
+    return max(gaps(patched, unpatched).values())
+
+
+def gaps(patched: Any, unpatched: Any) -> dict[str, float]:
+    """Each relative difference between two runs, by name: ``grad_norm <s>`` per optimizer step,
+    ``update <s>`` per-step updates (SGD snapshots, where recorded: from the second step), ``gradient <s>``
+    recorded per-step gradients (each step's over all parameters together), ``weights`` the final weights
+    (the largest over the parameters).
 
     A step whose unpatched gradient is zero in exact arithmetic (its norm under :data:`ZERO_STEP` of the
     run's largest: e.g. every ratio clipped in a later epoch) holds only rounding noise in both runs: it
     is compared on the scale of the run's largest step, not relative to its own noise."""
     assert len(patched.grad_norms) == len(unpatched.grad_norms), (patched.grad_norms, unpatched.grad_norms)
-    worst = _steps_rel([(float(p), float(u)) for p, u in zip(patched.grad_norms, unpatched.grad_norms)])
+    out = {f"grad_norm {s + 1}": gap for s, gap in enumerate(_steps_rel(
+        [(float(p), float(u)) for p, u in zip(patched.grad_norms, unpatched.grad_norms)]))}
     updates = [(_flat([b[1][n] - b[0][n] for n in sorted(a[1])]), _flat([a[1][n] - a[0][n] for n in sorted(a[1])]))
                for b, a in zip(_pairs(patched.snapshots), _pairs(unpatched.snapshots))]
+    out.update({f"update {s + 2}": gap for s, gap in enumerate(_steps_rel(updates))})
     gradients = [(_flat([p[n] for n in sorted(u)]), _flat([u[n] for n in sorted(u)]))
                  for p, u in zip(patched.gradients, unpatched.gradients)]
-    worst = max(worst, _steps_rel(updates), _steps_rel(gradients))
-    return max(worst, weights_rel(patched.weights, unpatched.weights))
+    out.update({f"gradient {s + 1}": gap for s, gap in enumerate(_steps_rel(gradients))})
+    out["weights"] = weights_rel(patched.weights, unpatched.weights)
+    return out
 
 
 #: A step at or under this fraction of the run's largest (norm) is a zero gradient's rounding noise.
@@ -59,18 +70,18 @@ def _flat(tensors: list) -> Any:
     return torch.cat([torch.as_tensor(t, dtype=torch.float64).flatten() for t in tensors])
 
 
-def _steps_rel(pairs: list) -> float:
-    """The largest ``|ours - theirs| / |theirs|`` over steps ``(ours, theirs)``; a noise step (above) over
-    the largest ``|theirs|`` instead."""
+def _steps_rel(pairs: list) -> list[float]:
+    """``|ours - theirs| / |theirs|`` per step ``(ours, theirs)``; a noise step's (above) over the largest
+    ``|theirs|`` instead."""
     import torch
 
     if not pairs:
-        return 0.0
+        return []
     norms = [float(torch.as_tensor(t, dtype=torch.float64).norm()) for _, t in pairs]
     scale = max(norms)
-    return max(rel(o, t) if n > ZERO_STEP * scale else
-               float((torch.as_tensor(o, dtype=torch.float64) - torch.as_tensor(t, dtype=torch.float64)).norm())
-               / (scale or 1.0) for (o, t), n in zip(pairs, norms))
+    return [rel(o, t) if n > ZERO_STEP * scale else
+            float((torch.as_tensor(o, dtype=torch.float64) - torch.as_tensor(t, dtype=torch.float64)).norm())
+            / (scale or 1.0) for (o, t), n in zip(pairs, norms)]
 
 
 def _pairs(snapshots: list) -> list:
@@ -110,3 +121,23 @@ def dropping_a_useful_micro_batch(real_plan: Callable[[Any, Any], Any]) -> Calla
         return plan
 
     return wrong
+
+
+@contextlib.contextmanager
+def cold_tiled(role: str | None = None) -> Iterator[None]:
+    """The planted tiled fault: the tiled log-probs at temperature 1 whatever open-instruct asks (in the
+    forwards of ``role``'s model only: ``"policy"`` or ``"reference"``)."""
+    from grpo_patches.adapters.open_instruct import tiled_logprobs
+    from grpo_patches.adapters.open_instruct.state import FORWARD
+
+    real = tiled_logprobs.token_stats
+
+    def cold(h: Any, w: Any, b: Any, labels: Any, mask: Any, temperature: float, tile: Any) -> Any:
+        wrong = role is None or FORWARD.current().role == role
+        return real(h, w, b, labels, mask, 1.0 if wrong else temperature, tile)
+
+    tiled_logprobs.token_stats = cold
+    try:
+        yield
+    finally:
+        tiled_logprobs.token_stats = real

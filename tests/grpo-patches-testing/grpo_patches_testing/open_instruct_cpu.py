@@ -100,6 +100,15 @@ class Config:
     #: its matrices (the tied lm-head / embedding included) are partitioned and its norms are not,
     #: as a real model's are at 1e5. ``None``: open-instruct's own setting.
     stage3_param_persistence_threshold: int | None = 1000
+    #: the policy's lm-head matmul in float64, rounded back to fp32 (unpatched runs only): the same
+    #: computation with different rounding, to measure how far fp32 noise alone moves a run
+    lm_head_float64: bool = False
+    #: the model's parameters and activations in float64 (DeepSpeed still accumulates the gradients and
+    #: keeps its master weights in fp32: without fp16/bf16 it takes the model as fp32, ``get_data_types``)
+    float64: bool = False
+    #: ``"module:function"``: a context manager entered around the run, in the rank's own process (a
+    #: planted fault that must reach spawned ranks, where a test's monkeypatch does not)
+    around: str | None = None
 
 
 def model_path(size: tuple[int, int] = (64, 2)) -> str:
@@ -141,7 +150,8 @@ def train(config: Config, rank: int = 0) -> Result:
     steps = [per_rank[rank] for per_rank in batches(config, path, config.world_size)]
     result = Result(micro_batches=[len(s["batch"]) for s in steps], micro_batch_shapes=shapes(steps))
     cls = grpo_fast.PolicyTrainerRayProcess.__ray_actor_class__
-    with _enabled(config.enable):  # before the config is made: grpo_patches acts on it (load_ref_policy at beta 0)
+    # enabled before the config is made: grpo_patches acts on it (load_ref_policy at beta 0)
+    with _around(config.around), _enabled(config.enable):
         args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
         learner = cls(config.world_size, rank, rank, "127.0.0.1", free_port(), args, streaming, vllm_config,
                       tokenizer)
@@ -196,6 +206,15 @@ def _configs(grpo_fast: Any, config: Config, path: str, steps: list[dict]) -> tu
     streaming.batches = steps
     return args, streaming, data_loader.VLLMConfig(), ModelConfig(model_name_or_path=path), \
         BeakerRuntimeConfig(beaker_workload_id="local")
+
+
+def _around(name: str | None) -> contextlib.AbstractContextManager:
+    if name is None:
+        return contextlib.nullcontext()
+    import importlib
+
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)()
 
 
 @contextlib.contextmanager

@@ -111,6 +111,9 @@ def recording(learner: Any, config: Config, result: Result) -> Iterator[None]:
     ref = learner.ref_policy.module if result.ref_model_built else None
     heads = [policy.get_output_embeddings()] + ([ref.get_output_embeddings()] if ref is not None else [])
     handles = count_forwards(policy, ref, heads, policy.config.vocab_size, result)
+    if config.lm_head_float64:
+        assert not (config.enable or {}).get("tiled_loss"), "lm_head_float64 rounds open-instruct's own lm-head"
+        handles.append(heads[0].register_forward_hook(_float64_matmul))
     engine = learner.model
     real_norm, real_step = engine.get_global_grad_norm, engine.step
 
@@ -149,6 +152,15 @@ def recording(learner: Any, config: Config, result: Result) -> Iterator[None]:
         del engine.get_global_grad_norm, engine.step
         for handle in handles:
             handle.remove()
+
+
+def _float64_matmul(layer: Any, args: Any, _output: Any) -> Any:
+    """The layer's output recomputed in float64 and rounded to its dtype (gradients flow through)."""
+    import torch.nn.functional as F
+
+    hidden = args[0]
+    bias = None if layer.bias is None else layer.bias.double()
+    return F.linear(hidden.double(), layer.weight.double(), bias).to(hidden.dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -9,8 +9,9 @@ test-only stand-ins (no open-instruct function body is changed; :func:`cpu_setup
   ``device`` is the CPU. DeepSpeed runs its CPU accelerator (``DS_ACCELERATOR=cpu``, gloo; a gloo
   group exists before ``from_pretrained``, so its ``nccl`` init is skipped, as upstream intends).
 * fp32 (``Config.bf16=False``): ``get_train_ds_config`` / ``get_eval_ds_config`` are called with
-  ``bf16=False`` and the model loads in fp32 (upstream hard-codes bf16). ZeRO-3's persistence
-  threshold is scaled to the tiny model (``Config.stage3_param_persistence_threshold``).
+  ``bf16=False`` and the model loads in fp32 (upstream hard-codes bf16; ``Config.float64``: in
+  float64). ZeRO-3's persistence threshold is scaled to the tiny model
+  (``Config.stage3_param_persistence_threshold``).
   ``optimizer="sgd"``: ``torch.optim.AdamW`` built by ``from_pretrained`` becomes SGD (exact
   per-step comparisons; AdamW turns rounding noise into different trajectories), with
   ``zero_allow_untested_optimizer``.
@@ -80,7 +81,7 @@ def cpu_stand_ins(config: Config, ds_owner: Any) -> list[tuple[Any, str, Any]]:
     def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("device_map", None)
         if not config.bf16:
-            kwargs["dtype"] = torch.float32
+            kwargs["dtype"] = torch.float64 if config.float64 else torch.float32
         return real_load(cls, *args, **kwargs)
 
     def ds_config(real: Any) -> Any:
