@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
-from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, counts, distance,
+from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, cold_tiled, counts, distance,
                                                 dropping_a_useful_micro_batch)
 
 harness.load()  # skips without open-instruct / deepspeed on the path
@@ -24,6 +24,17 @@ BASE = harness.Config(steps=1, prompts=4, samples_per_prompt=4, zero_std_groups=
                       num_mini_batches=2, num_epochs=2, temperature=0.7, snapshots=True)
 Z3 = harness.replace(BASE, deepspeed_stage=3, num_mini_batches=1, num_epochs=1)
 KL = harness.replace(BASE, num_mini_batches=1, num_epochs=1, beta=0.05)
+#: The loss settings the tiled lm-head must reproduce beyond BASE's (dapo, rho on, beta 0): CISPO, truncated-IS
+#: (rho) off, and each KL estimator at beta 0.05 (four optimizer steps: the policy leaves the reference after
+#: the first, so every estimator's value is non-zero). At BASE's learning rate (0.5) the KL runs blow up (kl2
+#: 4.9e16 after the second step, NaN weights): these steps are ten times smaller (kl2: 0.18; grad norms
+#: 14.7, 6.1, 4.4, 5.4; fp32 rounding alone moves them by 9e-7: the lm-head's matmul in float64).
+SMALL_STEPS = harness.replace(BASE, learning_rate=0.05)
+LOSSES = {
+    "cispo": harness.replace(SMALL_STEPS, loss_fn="cispo", args=(("record_entropy", True),)),  # entropies logged
+    "no_rho": harness.replace(SMALL_STEPS, args=(("use_rho_correction", False),)),
+    **{f"kl{k}": harness.replace(SMALL_STEPS, beta=0.05, kl_estimator=k) for k in range(4)},
+}
 #: name -> config; every run once per module (:func:`run`)
 RUNS = {
     "zero2": BASE,
@@ -33,7 +44,11 @@ RUNS = {
     "zero3_tiled": harness.replace(Z3, enable=ALL_ON_TILED),
     "kl": KL,
     "kl_patched": harness.replace(KL, enable={}),  # every default option (filter "auto", logprob_skip)
-    "kl_four_steps": harness.replace(BASE, beta=0.05),  # the policy leaves the reference after the first step
+    **LOSSES,
+    # the tiled lm-head without the filter (which would log the entropies of the kept micro-batches only);
+    # at beta > 0 the reference stays: the tiled lm-head answers its pass too
+    **{f"{name}_tiled": harness.replace(config, enable=dict(tiled_loss=True, zero_advantage_filter=False))
+       for name, config in LOSSES.items()},
 }
 
 
@@ -112,6 +127,54 @@ def test_with_a_kl_term_nothing_changes(run):
     assert notes["zero_advantage_filter"].startswith("off: the zero-advantage filter needs beta == 0 (got 0.05)")
 
 
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_the_tiled_lm_head_reproduces_each_loss_setting(run, loss, record_property):
+    """CISPO, rho off, KL estimators 0-3 at beta 0.05 (the reference's pass tiled too): open-instruct's loss
+    code reads the tiled log-probs as it reads its own, so every setting trains as unpatched, no logits made."""
+    base, patched = run(loss), run(f"{loss}_tiled")
+    gap = _loss_gap(patched, base, loss)
+    record_property(f"exact_tiled_{loss}", gap)
+    assert gap <= 1e-5
+    assert base.full_logits > 0 and patched.full_logits == 0
+    assert patched.ref_forwards == (base.ref_forwards if LOSSES[loss].beta else 0)
+    assert all(abs(base.metrics[0][name]) > 1e-3 for name in _kl_metrics(loss))  # the KL term is live
+    (notes,) = patched.status["by_class"].values()
+    assert notes["tiled_loss"].startswith("on:")  # nothing in a loss setting needs a refusal: the loss is theirs
+    if loss == "cispo":  # record_entropy: the tiled entropies, logged as open-instruct's
+        entropy = "policy/entropy_avg"
+        assert patched.metrics[0][entropy] == pytest.approx(base.metrics[0][entropy], rel=1e-5)
+
+
+def _kl_metrics(loss: str) -> list[str]:
+    config = LOSSES[loss]
+    return [f"objective/kl{config.kl_estimator}_avg", "loss/kl_avg"] if config.beta else []
+
+
+def _loss_gap(patched, base, loss: str) -> float:
+    """:func:`distance`, and for a KL estimator its logged values too (a gradient need not read the reference:
+    kl0's, ``new - ref``, is the policy's own)."""
+    logged = [abs(patched.metrics[0][name] - base.metrics[0][name]) / abs(base.metrics[0][name])
+              for name in _kl_metrics(loss)]
+    return max([distance(patched, base), *logged])
+
+
+def test_a_model_the_tiled_lm_head_cannot_reproduce_is_refused_or_noted(run, monkeypatch):
+    """A model family the tiled forward does not know (qwen2 taken off its list, so that the real check finds
+    it): ``"auto"`` leaves open-instruct's own forward on with the reason in ``status()`` and trains bitwise as
+    without the option; ``True`` refuses before the first forward."""
+    from grpo_patches.adapters.open_instruct import lm_heads
+    from grpo_patches.errors import IncompatibleOptionsError
+
+    monkeypatch.setattr(lm_heads, "HF_MODEL_TYPES", tuple(t for t in lm_heads.HF_MODEL_TYPES if t != "qwen2"))
+    noted = harness.train(harness.replace(BASE, enable=dict(ALL_ON, tiled_loss="auto")))
+    (notes,) = noted.status["by_class"].values()
+    assert notes["tiled_loss"].startswith("off: ") and "model_type='qwen2'" in notes["tiled_loss"]
+    assert counts(noted) == counts(run("zero2_exact")) and noted.full_logits > 0
+    assert distance(noted, run("zero2_exact")) == 0.0
+    with pytest.raises(IncompatibleOptionsError, match="model_type='qwen2'"):
+        harness.train(harness.replace(BASE, enable=dict(ALL_ON, tiled_loss=True)))
+
+
 # --- planted faults: each one fails the comparison (or the guard) that proves its optimization ---------
 
 def test_a_filter_that_drops_a_useful_micro_batch_is_caught(monkeypatch):
@@ -159,13 +222,9 @@ def test_old_logprobs_from_the_wrong_weights_are_caught(run, monkeypatch, record
     assert gap > 1e-3
 
 
-def test_a_tiled_lm_head_at_the_wrong_temperature_is_caught(run, monkeypatch, record_property):
-    from grpo_patches.adapters.open_instruct import tiled_logprobs
-
-    real = tiled_logprobs.token_stats
-    monkeypatch.setattr(tiled_logprobs, "token_stats", lambda h, w, b, labels, mask, temperature, tile: real(
-        h, w, b, labels, mask, 1.0, tile))
-    gap = distance(harness.train(harness.replace(RUNS["zero2_tiled"], enable=ALL_ON_TILED)), run("zero2"))
+def test_a_tiled_lm_head_at_the_wrong_temperature_is_caught(run, record_property):
+    with cold_tiled():
+        gap = distance(harness.train(harness.replace(RUNS["zero2_tiled"], enable=ALL_ON_TILED)), run("zero2"))
     record_property("fault_tiled_temperature", gap)
     assert gap > 1e-3
 
@@ -180,37 +239,38 @@ def test_a_reference_skipped_with_a_kl_term_is_caught(run, monkeypatch, record_p
 
     monkeypatch.setattr(reference, "hook", lambda: Skip())
     # four optimizer steps: in the first the policy is the reference (kl and its gradient exactly 0)
-    result = harness.train(harness.replace(RUNS["kl_four_steps"], enable={}))
+    result = harness.train(harness.replace(RUNS["kl2"], enable={}))
     assert not result.ref_model_built
-    gap = distance(result, run("kl_four_steps"))
+    gap = distance(result, run("kl2"))
     record_property("fault_reference_skipped_at_beta_0.05", gap)
     assert gap > 1e-6
 
 
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_wrong_tiled_log_prob_fails_each_loss_setting(run, loss, record_property):
+    """The planted fault: the tiled log-probs at temperature 1 in the forwards that feed the setting's own
+    term (the reference's pass for a KL estimator, the training forwards otherwise): the comparison fails."""
+    with cold_tiled("reference" if LOSSES[loss].beta else "policy"):
+        gap = _loss_gap(harness.train(RUNS[f"{loss}_tiled"]), run(loss), loss)
+    record_property(f"fault_tiled_{loss}", gap)
+    assert gap > 1e-3
+
+
 # --- verify mode ---------------------------------------------------------------------------------------
 
-def _cold_tiled(monkeypatch):
-    """The planted tiled fault: log-probs at temperature 1 whatever open-instruct asks."""
-    from grpo_patches.adapters.open_instruct import tiled_logprobs
-
-    real = tiled_logprobs.token_stats
-    monkeypatch.setattr(tiled_logprobs, "token_stats", lambda h, w, b, labels, mask, temperature, tile: real(
-        h, w, b, labels, mask, 1.0, tile))
-
-
-def test_verify_mode_stops_a_wrong_tiled_lm_head(monkeypatch):
+def test_verify_mode_stops_a_wrong_tiled_lm_head():
     from grpo_patches.errors import ExactnessError
 
-    _cold_tiled(monkeypatch)
-    with pytest.raises(ExactnessError, match="tiled_loss"):
+    with cold_tiled(), pytest.raises(ExactnessError, match="tiled_loss"):
         harness.train(harness.replace(BASE, enable=dict(ALL_ON_TILED, verify_every=1)))
 
 
-def test_verify_mode_disable_trains_on_unpatched(run, monkeypatch, record_property):
+def test_verify_mode_disable_trains_on_unpatched(run, record_property):
     """``verify_action="disable"``: the failing check's step uses open-instruct's own log-probs, and the
     tiled lm-head is off from there: the update is open-instruct's."""
-    _cold_tiled(monkeypatch)
-    result = harness.train(harness.replace(BASE, enable=dict(ALL_ON_TILED, verify_every=1, verify_action="disable")))
+    with cold_tiled():
+        result = harness.train(harness.replace(BASE, enable=dict(ALL_ON_TILED, verify_every=1,
+                                                                verify_action="disable")))
     gap = distance(result, run("zero2"))
     record_property("exact_verify_disable", gap)
     assert gap <= 1e-5

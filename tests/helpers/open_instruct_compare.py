@@ -10,6 +10,7 @@ record each optimizer step's gradient itself.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -34,8 +35,10 @@ def weights_rel(a: dict, b: dict) -> float:
 
 
 def distance(patched: Any, unpatched: Any) -> float:
-    """The largest relative difference between two runs: the largest of :func:`gaps`."""
-    return max(gaps(patched, unpatched).values())
+    """The largest relative difference between two runs: the largest of :func:`gaps` (NaN if one is NaN: a
+    run that ended in NaN proves nothing either way)."""
+    values = list(gaps(patched, unpatched).values())
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def gaps(patched: Any, unpatched: Any) -> dict[str, float]:
