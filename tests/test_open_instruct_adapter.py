@@ -185,3 +185,21 @@ def test_the_output_layer_checks():
     assert "not a plain nn.Linear" in lm_heads.problems(model)[0]
     model.config.model_type = "gemma2"
     assert any("model_type='gemma2'" in p for p in lm_heads.problems(model))
+
+
+# --- the compat tests' run comparison ----------------------------------------------------------------
+
+def test_the_run_comparison_names_each_gap_and_fails_on_a_nan_run():
+    """``distance`` is the largest of ``gaps``; a run that ended in NaN gives NaN (max() over the gaps
+    would skip it and call the run exact), so that neither an exactness bound nor a fault's holds."""
+    from tests.helpers.open_instruct_compare import distance, gaps
+
+    def run(norms, weights):
+        return SimpleNamespace(grad_norms=norms, snapshots=[], gradients=[], weights={"w": torch.tensor(weights)})
+
+    base, off = run([2.0, 1.0], [1.0, 2.0]), run([2.0, 1.001], [1.0, 2.0])
+    found = gaps(off, base)
+    assert list(found) == ["grad_norm 1", "grad_norm 2", "weights"]
+    assert found["grad_norm 2"] == pytest.approx(1e-3) == distance(off, base)
+    gap = distance(run([2.0, 1.0], [float("nan"), 2.0]), base)
+    assert not gap <= 1e-5 and not gap > 1e-3
