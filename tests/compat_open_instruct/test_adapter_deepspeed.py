@@ -16,7 +16,7 @@ import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
 from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, cold_tiled, counts, distance,
-                                                dropping_a_useful_micro_batch)
+                                                dropping_a_useful_micro_batch, stale_old_logprobs)
 
 harness.load()  # skips without open-instruct / deepspeed on the path
 
@@ -199,25 +199,10 @@ def test_a_skipped_pre_pass_is_never_read_after_an_optimizer_step(monkeypatch):
         harness.train(RUNS["zero2_exact"])
 
 
-def test_old_logprobs_from_the_wrong_weights_are_caught(run, monkeypatch, record_property):
+def test_old_logprobs_from_the_wrong_weights_are_caught(run, record_property):
     """The guard planted wrong: every placeholder becomes the current log-probs, also after an optimizer step."""
-    from grpo_patches.adapters.open_instruct import old_logprobs, placeholders
-
-    monkeypatch.setattr(old_logprobs, "needed", lambda step: [False] * step.n)
-    real = placeholders.resolve_old_logprob
-
-    def wrong(wrapped, instance, args, kwargs):
-        step = placeholders._holder(args[0][args[1]], args[1])
-        if step is None:
-            return real(wrapped, instance, args, kwargs)
-        saved, step.current.s = step.current.s, 0  # "before the first optimizer step", for the guard only
-        try:
-            return real(wrapped, instance, args, kwargs)
-        finally:
-            step.current.s = saved  # DeepSpeed's accumulation boundary still reads the true micro-step
-
-    monkeypatch.setattr(placeholders, "resolve_old_logprob", wrong)
-    gap = distance(harness.train(RUNS["zero2_exact"]), run("zero2"))
+    with stale_old_logprobs():
+        gap = distance(harness.train(RUNS["zero2_exact"]), run("zero2"))
     record_property("fault_recompute_stale_old_logprobs", gap)
     assert gap > 1e-3
 

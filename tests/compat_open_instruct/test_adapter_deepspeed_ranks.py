@@ -23,7 +23,8 @@ unpatched): unpatched with its lm-head's matmul in float64 3.1e-4 / 4.5e-5, with
 (DeepSpeed still accumulates the gradients and keeps the master weights in fp32: ``engine.get_data_types``)
 6.0e-4 / 5.3e-5, the tiled lm-head 2.1e-3 / 7.7e-5 (tiled in float64 against unpatched in float64: 1.1e-3 /
 2.2e-5); steps 1 and 2 agree to 1.3e-6 in every pair. Every other optimization (old-logprob window,
-reference skip, zero-advantage filter) is bitwise equal to unpatched here. So the tiled lm-head is judged
+reference skip, zero-advantage filter) is bitwise equal to unpatched here
+(:func:`test_two_zero2_ranks_every_other_optimization_is_bitwise`). So the tiled lm-head is judged
 against that floor, measured in the same processes
 (:func:`test_two_zero2_ranks_patched_as_unpatched_to_the_fp32_floor`)."""
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
-from tests.helpers.open_instruct_compare import ALL_ON_TILED, counts, gaps
+from tests.helpers.open_instruct_compare import ALL_ON, ALL_ON_TILED, counts, distance, gaps
 
 harness.load()
 
@@ -43,7 +44,10 @@ CONFIGS = [BASE, harness.replace(BASE, enable=ALL_ON_TILED), Z2, harness.replace
            # the fp32 floor: unpatched, the same arithmetic rounded otherwise
            harness.replace(Z2, lm_head_float64=True), harness.replace(Z2, float64=True),
            # the planted fault: the tiled log-probs at temperature 1 (in the ranks' own processes)
-           harness.replace(Z2, enable=ALL_ON_TILED, around="tests.helpers.open_instruct_compare:cold_tiled")]
+           harness.replace(Z2, enable=ALL_ON_TILED, around="tests.helpers.open_instruct_compare:cold_tiled"),
+           # every optimization but the tiled lm-head, and with stale old log-probs planted
+           harness.replace(Z2, enable=ALL_ON),
+           harness.replace(Z2, enable=ALL_ON, around="tests.helpers.open_instruct_compare:stale_old_logprobs")]
 
 #: Patched may lie this many times farther from unpatched than the farthest of the unpatched runs that
 #: differ from it by rounding alone, per compared quantity (or TILED_TOL, whichever is larger).
@@ -73,12 +77,22 @@ def test_two_ranks_do_the_same_work_and_end_equal(ranks, stage, record_property)
         assert (patched1.weights[name] - weight).abs().max().item() == 0.0, name
 
 
+def test_two_zero2_ranks_every_other_optimization_is_bitwise(ranks, record_property):
+    """The old-logprob window, the reference skip and the filter (the ranks' plans differ) on two ZeRO-2 ranks:
+    bitwise as unpatched; old log-probs planted stale after the first optimizer step are not."""
+    for rank, results in enumerate(ranks):
+        base, exact, stale = results[2], results[7], results[8]
+        assert distance(exact, base) == 0.0
+        record_property(f"fault_stale_old_logprobs_zero2_rank{rank}", distance(stale, base))
+        assert distance(stale, base) > 1e-3
+
+
 def test_two_zero2_ranks_patched_as_unpatched_to_the_fp32_floor(ranks, record_property):
     """Every optimization and the tiled lm-head on two ZeRO-2 ranks against unpatched: each step's update,
     grad norm and the final weights within ``FLOOR_FACTOR`` times what rounding alone moves them (module
     docstring; at least ``TILED_TOL``); the planted fault lies beyond."""
     for rank, results in enumerate(ranks):
-        base, patched, *rounded, faulty = results[2:]
+        base, patched, *rounded, faulty = results[2:7]
         floor = _floor([gaps(run, base) for run in rounded])
         bars = {name: max(TILED_TOL, FLOOR_FACTOR * value) for name, value in floor.items()}
         gap, fault = gaps(patched, base), gaps(faulty, base)

@@ -144,3 +144,30 @@ def cold_tiled(role: str | None = None) -> Iterator[None]:
         yield
     finally:
         tiled_logprobs.token_stats = real
+
+
+@contextlib.contextmanager
+def stale_old_logprobs() -> Iterator[None]:
+    """The recompute decision's planted fault: no micro-batch gets its pre-pass, and the guard takes every
+    placeholder for one consumed before the first optimizer step (so it becomes the current log-probs, also
+    after the weights moved)."""
+    from grpo_patches.adapters.open_instruct import old_logprobs, placeholders
+
+    real_needed, real_resolve = old_logprobs.needed, placeholders.resolve_old_logprob
+
+    def wrong(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        step = placeholders._holder(args[0][args[1]], args[1])
+        if step is None:
+            return real_resolve(wrapped, instance, args, kwargs)
+        saved, step.current.s = step.current.s, 0  # "before the first optimizer step", for the guard only
+        try:
+            return real_resolve(wrapped, instance, args, kwargs)
+        finally:
+            step.current.s = saved  # DeepSpeed's accumulation boundary still reads the true micro-step
+
+    old_logprobs.needed = lambda step: [False] * step.n
+    placeholders.resolve_old_logprob = wrong
+    try:
+        yield
+    finally:
+        old_logprobs.needed, placeholders.resolve_old_logprob = real_needed, real_resolve
