@@ -107,6 +107,10 @@ class Adapter:
         :attr:`not_applicable` ones, and those whose records all exist for other versions only
         (e.g. a loss path checked on one release)."""
         found = {option: f"not applicable: {why}" for option, why in self.not_applicable.items()}
+        declared = {t.option for t in self.patches}
+        for option in OPTIMIZATIONS:  # an optimization this adapter has no record for at all
+            if option not in declared and option not in found:
+                found[option] = f"{option} is not available for {self.name} yet"
         here = {t.option for t in self.targets(version)}
         for option in dict.fromkeys(t.option for t in self.patches if t.option):
             if option not in here and option not in found:

@@ -38,7 +38,7 @@ from grpo_patches.call_args import bind
 from grpo_patches.errors import OptionError
 from grpo_patches.zero_advantage import filter_problems
 
-from . import FRAMEWORK, metrics, placeholders, state
+from . import FRAMEWORK, metrics, placeholders, skipped_micro_batches, state
 from .loss_modes import UnknownObjective, loss_mask, objective_of
 from .row_subsets import is_multimodal
 from .version import multimodal_rows_supported
@@ -88,6 +88,8 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         return wrapped(*args, **kwargs)
     arguments = bind(wrapped, args, kwargs)
     inputs = arguments["inputs"]
+    if skipped_micro_batches.skipped(instance, inputs):  # packing moved its kept rows elsewhere
+        return skipped_micro_batches.skip(instance, inputs)
     if not FRAMEWORK.on("zero_advantage_filter") or not decide(instance):
         # off (verification may switch it off mid-run): every row is read, no placeholder may be
         return arguments.call(wrapped, inputs=placeholders.guard(inputs))
@@ -129,7 +131,7 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
                 return metrics.row_mean_over(instance, gamma["phi"], real)
             return None
 
-        metrics.relabel(instance, bucket, before, kept_value)
+        metrics.relabel(instance, bucket, before, kept_value, packed=bool(state.of(instance).pack_on))
     counts = dict(rows_dropped=plan.rows_dropped, tokens_dropped=plan.tokens_dropped,
                   padding_tokens_skipped=call.padding_tokens_skipped)
     if not with_metrics:
