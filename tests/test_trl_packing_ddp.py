@@ -10,15 +10,14 @@ optimizer step's reduced gradient equals the unpatched run's.
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 
 pytest.importorskip("trl")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from tests.helpers.spawned_ranks import free_port, rank_environment, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +27,8 @@ CONFIG = dict(steps=2, optim="sgd", bf16=False, count_forwards=True, gradient_ac
 OPTIONS = dict(recompute=False, logprob_skip=False, zero_advantage_filter=True, pack_kept_rows=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_environment(rank, port, WORLD)
     from grpo_patches.demo import tiny_model
     from grpo_patches_testing.trl_train import train
     from tests.helpers.trl_gradients import Gradients
@@ -63,14 +54,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
     tmp = tmp_path_factory.mktemp("packing_ddp")
     model = tiny_model.tiny_model_path(tmp / "model")  # built once, before the ranks start
-    context = mp.spawn(_worker, args=(_free_port(), str(tmp), model), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 600
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the ranks did not finish (a rank waiting in a collective?)")
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD)]
+    return run_ranks(_worker, (free_port(), str(tmp), model), WORLD, tmp, timeout=600)
 
 
 def test_two_ranks_pack_alike_and_keep_the_reduced_gradient(ranks):
