@@ -60,27 +60,47 @@ def test_bnpo_is_not_packed_under_auto_and_refused_under_true():
         _run(True, loss_type="bnpo", steps=1)
 
 
+def _kept_row_dealt_into_a_skipped_micro_batch(real):
+    """A planted fault: the deal swaps the first kept row with the first zero-advantage row (in a
+    micro-batch that gets no forward): every row still dealt once, one kept row never trained."""
+    def order(kept, size, micro_batches, calls):
+        dealt = real(kept, size, micro_batches, calls)
+        useful = {(b, r) for b, rows in enumerate(kept) for r in rows}
+        first_kept = next(i for i, pair in enumerate(dealt) if pair in useful)
+        dealt[0], dealt[first_kept] = dealt[first_kept], dealt[0]
+        return dealt
+
+    return order
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_a_dealt_micro_batch_that_loses_a_kept_row_fails_the_comparison(monkeypatch, bf16):
+def test_a_kept_row_dealt_into_a_skipped_micro_batch_fails_the_comparison(monkeypatch, bf16):
     """The planted fault is far outside both tolerances: 1e-6 in fp32, 4x upstream's re-batching
-    noise in bf16 (1.5e-3 on this model: the test above)."""
+    noise in bf16 (1.5e-3 on this model: the bf16 test)."""
     from grpo_patches.adapters.trl import packing
 
-    real = packing._order
-
-    def loses_one(kept, size, micro_batches, calls):
-        order = real(kept, size, micro_batches, calls)
-        first_kept = next(i for i, pair in enumerate(order) if pair in {(b, r) for b, rows in enumerate(kept)
-                                                                         for r in rows})
-        order[first_kept] = order[0]  # a zero-advantage row twice, a kept row never
-        return order
-
     ref, ref_grads = _run(None, loss_type="dapo", bf16=bf16, steps=1)
-    monkeypatch.setattr(packing, "_order", loses_one)
+    monkeypatch.setattr(packing, "_order", _kept_row_dealt_into_a_skipped_micro_batch(packing._order))
     got, got_grads = _run(True, loss_type="dapo", bf16=bf16, steps=1)
     fault = rel_l2(got_grads[0], ref_grads[0])
     print(f"planted fault ({'bf16' if bf16 else 'fp32'}): step-1 gradient rel diff {fault:.1e}")
     assert fault > 2e-2
+
+
+def test_a_deal_that_loses_a_row_is_an_error_before_any_training(monkeypatch):
+    from grpo_patches.adapters.trl import packing
+    from grpo_patches.errors import GrpoPatchesError
+
+    real = packing._order
+
+    def loses_one(kept, size, micro_batches, calls):
+        dealt = real(kept, size, micro_batches, calls)
+        dealt[-1] = dealt[0]
+        return dealt
+
+    monkeypatch.setattr(packing, "_order", loses_one)
+    with pytest.raises(GrpoPatchesError, match="pack_kept_rows=False"):
+        _run(True, loss_type="dapo", steps=1)
 
 
 def test_windows_cut_by_rollouts_and_iterations_stay_exact():
@@ -104,13 +124,18 @@ def test_loss_is_logged_as_before_and_per_micro_batch_means_are_not():
     assert got.metrics("grpo_patches/micro_batches_skipped")
 
 
-def test_verify_steps_are_not_packed_and_pass():
-    got, _ = _run(True, loss_type="dapo", steps=1)
+def test_verify_steps_check_the_dealt_micro_batches_and_catch_a_bad_deal(monkeypatch):
+    from grpo_patches.adapters.trl import packing
+    from grpo_patches.errors import ExactnessError
+
     options = dict(ONLY_FILTER, pack_kept_rows=True, verify_every=1)
     result = train(True, options, **{**CONFIG, "steps": 1})
     assert result.status["verify"]["steps_verified"] == 1 and not result.status["verify"]["failures"]
-    assert not result.savings.get("micro_batches_skipped")
-    assert got.savings["micro_batches_skipped"] > 0
+    assert result.savings["micro_batches_skipped"] > 0
+    monkeypatch.setattr(packing, "_order", _kept_row_dealt_into_a_skipped_micro_batch(packing._order))
+    with pytest.raises(ExactnessError) as err:
+        train(True, options, **{**CONFIG, "steps": 1})
+    assert err.value.quantity == "grad_rel_diff" and err.value.measured > 0.5  # TRL's gradient where the skip has 0
 
 
 def test_one_micro_batch_per_window_changes_nothing():

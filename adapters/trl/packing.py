@@ -25,15 +25,20 @@ backward. Nothing else changes: the number of micro-steps and optimizer steps, T
 
 Not packed, with the reason in ``status()`` (``"auto"``; ``True`` refuses the trainer when it
 is built): ``bnpo`` (a token mean over each micro-batch), ``dropped_rows_metrics=True``, the
-tiled loss, multimodal rollouts, DeepSpeed / FSDP (a micro-step without a backward), and the
-windows of verify steps (verify mode compares one micro-batch at a time). TRL's clip fractions
-are per-micro-batch means: under packing they are not logged (a note says so).
+tiled loss, multimodal rollouts, DeepSpeed / FSDP (a micro-step without a backward). A segment is
+served to its end once dealt. On a verify
+step every dealt micro-step is verified as any other (a skipped one's gradient, 0, against TRL's
+on the same rows: a kept row dealt there would show), and every deal is checked to hold each row
+of the window exactly once. TRL's clip fractions are per-micro-batch means: under packing they
+are not logged (a note says so).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+from grpo_patches.errors import GrpoPatchesError
 
 from . import FRAMEWORK, state, zero_advantage
 from .accumulation_window import window_index, window_length
@@ -55,12 +60,14 @@ class Segment:
     :ivar buffer: TRL's buffer they were dealt from (a new rollout makes a new segment).
     :ivar batches: the micro-batch served at each micro-step (TRL's own when not packed).
     :ivar skipped: ids of the micro-batches with no kept row (no forward, no backward).
+    :ivar dealt: ids of every micro-batch dealt (empty when the segment is TRL's own).
     """
 
     buffer: Any
     start: int
     batches: list
     skipped: set[int] = field(default_factory=set)
+    dealt: set[int] = field(default_factory=set)
 
     def covers(self, trainer: Any, step: int) -> bool:
         return self.buffer is trainer._buffered_inputs and self.start <= step < self.start + len(self.batches)
@@ -103,11 +110,16 @@ def decide(trainer: Any) -> bool:
 def prepare_inputs(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer._prepare_inputs``: serve the micro-step its re-dealt micro-batch."""
     inputs = wrapped(*args, **kwargs)
-    if instance is None or not instance.model.training or not decide(instance):
+    if instance is None or not instance.model.training:
         return inputs
     own = state.of(instance)
     step = int(instance._step)
+    # a segment is served to its end, even after verify mode switched packing off in it: its rows
+    # are dealt once (TRL's micro-batches now would train some rows twice and others never)
     if own.segment is None or not own.segment.covers(instance, step):
+        if not FRAMEWORK.on("pack_kept_rows") or not decide(instance):
+            own.segment = None
+            return inputs
         own.segment = _segment(instance, step, inputs)
     return own.segment.batches[step - own.segment.start]
 
@@ -120,7 +132,7 @@ def _segment(trainer: Any, step: int, current: Mapping[str, Any]) -> Segment:
     left = min(window_length(trainer, ga) - window_index(trainer), spg - step % spg)
     batches = [current] + [buffer[(step + i) % spg] for i in range(1, max(left, 1))]
     plain = Segment(buffer, step, batches)
-    if len(batches) < 2 or FRAMEWORK.verify_due(int(trainer.state.global_step)):
+    if len(batches) < 2:
         return plain
     if any(is_multimodal(batch) for batch in batches):
         FRAMEWORK.note(NOTE, "multimodal micro-batches are not packed", owner=trainer)
@@ -134,8 +146,13 @@ def _segment(trainer: Any, step: int, current: Mapping[str, Any]) -> Segment:
     if calls >= len(batches):
         return plain
     order = _order(kept, size, len(batches), calls)
+    if sorted(order) != [(b, r) for b in range(len(batches)) for r in range(size)]:
+        raise GrpoPatchesError("grpo_patches: pack_kept_rows would deal the window's rows with a row missing or "
+                               "twice (a bug, nothing was trained on it); pass pack_kept_rows=False to "
+                               "grpo_patches.enable('trl', ...) and report it")
     dealt = _deal(batches, order, size)
-    return Segment(buffer, step, dealt, {id(batch) for batch in dealt[:len(batches) - calls]})
+    return Segment(buffer, step, dealt, {id(batch) for batch in dealt[:len(batches) - calls]},
+                   {id(batch) for batch in dealt})
 
 
 def _layout(batches: list) -> int | None:

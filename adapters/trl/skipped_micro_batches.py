@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import FRAMEWORK, metrics
+from . import FRAMEWORK, metrics, state
 from .loss_modes import loss_mask
 
 #: The ``status()`` note of packing.
@@ -24,11 +24,20 @@ def skipped(trainer: Any, inputs: Any) -> bool:
     return segment is not None and id(inputs) in segment.skipped
 
 
+def dealt(trainer: Any, inputs: Any) -> bool:
+    """Whether ``inputs`` is a micro-batch packing dealt (skipped or not)."""
+    segment = getattr(FRAMEWORK.peek(trainer), "segment", None)
+    return segment is not None and id(inputs) in segment.dealt
+
+
 def skip(trainer: Any, inputs: Mapping[str, Any]) -> Any:
     """The loss of a skipped micro-step: 0, with no graph behind it (its rows' terms are exactly
     0); its counts go where the filter's go."""
     import torch
 
+    call = state.LOSS.current()
+    if call is not None:  # verify mode's patched computation: compared with TRL's on the same rows
+        call.packed = True
     mask = loss_mask(inputs)
     rows = int(mask.shape[0])
     metrics.report(trainer, rows_dropped=rows, tokens_dropped=int(mask.sum()), forward_rows_skipped=rows,

@@ -174,6 +174,8 @@ class LossCall:
     :ivar row_inputs: each row's multimodal model inputs (recorded once per call).
     :ivar padding_tokens_skipped: token positions of the kept rows not computed because no kept
         row uses their column (:mod:`.trim`).
+    :ivar packed: the micro-batch was dealt by ``pack_kept_rows`` (:mod:`.packing`; verify mode
+        then names that optimization too).
     """
 
     verifying: bool = False
@@ -189,6 +191,7 @@ class LossCall:
     forward_rows: int = 0
     row_inputs: Any = None
     padding_tokens_skipped: int = 0
+    packed: bool = False
 
 
 #: The micro-step's loss call (entered by the outermost ``compute_loss`` / ``_compute_loss`` record).

@@ -88,7 +88,7 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         return wrapped(*args, **kwargs)
     arguments = bind(wrapped, args, kwargs)
     inputs = arguments["inputs"]
-    if skipped_micro_batches.skipped(instance, inputs):  # packing moved its kept rows elsewhere
+    if FRAMEWORK.on("pack_kept_rows") and skipped_micro_batches.skipped(instance, inputs):  # its kept rows are elsewhere
         return skipped_micro_batches.skip(instance, inputs)
     if not FRAMEWORK.on("zero_advantage_filter") or not decide(instance):
         # off (verification may switch it off mid-run): every row is read, no placeholder may be
@@ -115,6 +115,7 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         # the gradient comparison to catch, and the patched result is then not used)
         inputs = placeholders.guard(inputs, read=plan.keep, strict=not call.verifying)
         call.keep, call.dropped_forward = plan.keep, with_metrics
+        call.packed = skipped_micro_batches.dealt(instance, arguments["inputs"])
         call.always_split = distributed and with_metrics
         call.fill_logps = inputs.get(placeholders.KEY)
         loss = arguments.call(wrapped, inputs=inputs)
