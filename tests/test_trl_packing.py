@@ -20,7 +20,8 @@ from tests.helpers.trl_gradients import Gradients, rel_l2  # noqa: E402
 
 #: GA = steps_per_generation = 4 micro-batches of 4 rows per window; half the prompts saturated.
 CONFIG = dict(steps=2, reward_funcs=tiny_model.reward_constant_per_prompt, bf16=False, optim="sgd",
-              count_forwards=True, gradient_accumulation_steps=4, steps_per_generation=4, num_prompts=8)
+              count_forwards=True, gradient_accumulation_steps=4, steps_per_generation=4, num_prompts=8,
+              loss_type="grpo")  # in every TRL (the default, TRL 0.20's bnpo, is not packed)
 ONLY_FILTER = dict(recompute=False, logprob_skip=False, tiled_loss=False, zero_advantage_filter=True)
 
 
@@ -79,9 +80,9 @@ def test_a_kept_row_dealt_into_a_skipped_micro_batch_fails_the_comparison(monkey
     noise in bf16 (1.5e-3 on this model: the bf16 test)."""
     from grpo_patches.adapters.trl import packing
 
-    ref, ref_grads = _run(None, loss_type="dapo", bf16=bf16, steps=1)
+    ref, ref_grads = _run(None, loss_type="grpo", bf16=bf16, steps=1)
     monkeypatch.setattr(packing, "_order", _kept_row_dealt_into_a_skipped_micro_batch(packing._order))
-    got, got_grads = _run(True, loss_type="dapo", bf16=bf16, steps=1)
+    got, got_grads = _run(True, loss_type="grpo", bf16=bf16, steps=1)
     fault = rel_l2(got_grads[0], ref_grads[0])
     print(f"planted fault ({'bf16' if bf16 else 'fp32'}): step-1 gradient rel diff {fault:.1e}")
     assert fault > 2e-2
@@ -100,7 +101,7 @@ def test_a_deal_that_loses_a_row_is_an_error_before_any_training(monkeypatch):
 
     monkeypatch.setattr(packing, "_order", loses_one)
     with pytest.raises(GrpoPatchesError, match="pack_kept_rows=False"):
-        _run(True, loss_type="dapo", steps=1)
+        _run(True, loss_type="grpo", steps=1)
 
 
 def test_windows_cut_by_rollouts_and_iterations_stay_exact():
@@ -116,8 +117,8 @@ def test_windows_cut_by_rollouts_and_iterations_stay_exact():
 
 
 def test_loss_is_logged_as_before_and_per_micro_batch_means_are_not():
-    ref, _ = _run(None, loss_type="dapo")
-    got, _ = _run(True, loss_type="dapo")
+    ref, _ = _run(None, loss_type="grpo")
+    got, _ = _run(True, loss_type="grpo")
     assert got.metrics("loss") == pytest.approx(ref.metrics("loss"), rel=1e-5, abs=1e-7)  # on-policy: ~0
     assert ref.metrics("clip_ratio/region_mean") and not got.metrics("clip_ratio/region_mean")
     assert "pack_kept_rows" in got.notes()["metric clip_ratio/region_mean"]
@@ -158,9 +159,9 @@ def test_bf16_packing_stays_within_upstreams_own_rebatching_noise():
     """bf16 autocast: dealing rows into other micro-batches changes which rows share a matmul,
     so the rounding. Step 1's gradient (same weights, same generations) is judged against
     unpatched TRL re-batched the same way a user could: the same rows of each window in 2
-    micro-batches of 8 instead of 4 of 4 (dapo's global denominator: the same gradient in
-    exact arithmetic). A planted fault (a kept row lost) stays far outside it."""
-    bf16 = dict(bf16=True, steps=1, loss_type="dapo")
+    micro-batches of 8 instead of 4 of 4 (grpo's per-row terms over equal-size micro-batches:
+    the same gradient in exact arithmetic). A planted fault (a kept row lost) stays far outside it."""
+    bf16 = dict(bf16=True, steps=1, loss_type="grpo")
     ref, ref_grads = _run(None, **bf16)
     _, rebatched = _run(None, **bf16, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                         steps_per_generation=2)

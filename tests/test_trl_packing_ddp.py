@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 CONFIG = dict(steps=2, optim="sgd", bf16=False, count_forwards=True, gradient_accumulation_steps=4,
-              steps_per_generation=4)
+              steps_per_generation=4, loss_type="grpo")  # grpo: in every TRL, and packed
 OPTIONS = dict(recompute=False, logprob_skip=False, zero_advantage_filter=True, pack_kept_rows=True)
 
 

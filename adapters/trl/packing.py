@@ -109,11 +109,11 @@ def decide(trainer: Any) -> bool:
 
 def prepare_inputs(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``GRPOTrainer._prepare_inputs``: serve the micro-step its re-dealt micro-batch."""
+    step = int(getattr(instance, "_step", 0))  # this micro-step (TRL < 1.x bumps it inside the method)
     inputs = wrapped(*args, **kwargs)
     if instance is None or not instance.model.training:
         return inputs
     own = state.of(instance)
-    step = int(instance._step)
     # a segment is served to its end, even after verify mode switched packing off in it: its rows
     # are dealt once (TRL's micro-batches now would train some rows twice and others never)
     if own.segment is None or not own.segment.covers(instance, step):
