@@ -99,6 +99,7 @@ def run(spec: dict) -> dict:
         "per_step": timer.per_step(skip=spec["warmup"]),
         "steps": timer.steps,
         "rows": timer.rows,
+        "policy_calls_per_step": timer.policy_calls / max(len(timer.steps), 1),
         "loss": [row["loss"] for row in logs if "loss" in row],
         "grad_norm": [row["grad_norm"] for row in logs if "grad_norm" in row],
         "frac_reward_zero_std": [row["frac_reward_zero_std"] for row in logs if "frac_reward_zero_std" in row],

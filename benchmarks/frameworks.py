@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"seconds per run before it counts as failed (default: {DEFAULTS['timeout']})")
     p.add_argument("--out-dir", type=Path, default=DEFAULTS["out_dir"],
                    help=f"where frameworks.{{md,json,png}} go (default: {interpreters.shown(DEFAULTS['out_dir'])})")
+    p.add_argument("--pack", action="store_true",
+                   help="TRL: the patched runs also pack the kept rows into full micro-batches (pack_kept_rows=True)")
     p.add_argument("--verify", action="store_true",
                    help="NeMo-RL: add a patched run with verify_every=1 to each round (every step a verify step) and "
                         "report the cost of a verify step against a normal patched one (same round, median)")
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         spec["steps"] = args.steps
     if args.mini_batches < 1 or spec["prompts"] % args.mini_batches:
         p.error(f"--mini-batches {args.mini_batches}: must divide the {spec['prompts']} prompts of a rollout batch")
-    spec.update(mini_batches=args.mini_batches, variable_lengths=args.variable_lengths)
+    spec.update(mini_batches=args.mini_batches, variable_lengths=args.variable_lengths, pack_kept_rows=args.pack)
     rounds = 1 if args.quick else args.rounds
     tags = {"nemo_rl": args.nemo_rl_tag, "open_instruct": args.open_instruct_tag}
     pythons = {name: find_python(name, given, tags.get(name)) for name in args.frameworks}

@@ -36,7 +36,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     timer = StepTimer()
     timer.install(GRPOTrainer)  # beneath the patches: counts only the forwards that really run
     if patched:
-        grpo_patches.enable("trl")  # the defaults
+        grpo_patches.enable("trl", pack_kept_rows=bool(spec.get("pack_kept_rows")))  # the defaults (+ --pack)
     tmp = tempfile.mkdtemp(prefix="grpo_bench_trl_")
     path = tiny_model.tiny_model_path(tmp, seed=spec["seed"], hidden_size=spec["hidden"], num_layers=spec["layers"],
                                       eos_boost=workload.eos_boost(spec))
@@ -64,7 +64,7 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             "old_logprob_passes": timer.passes["old_logprob_passes"], "reference_passes": timer.passes["reference_passes"],
             "rows_dropped": int(saved.get("rows_dropped", 0)), "rows_total": rows * spec["steps"],
             "old_logprob_rows": timer.rows["old_logprobs"], "old_logprob_rows_net": True,
-            "policy_tokens": timer.tokens["policy_with_grad"],
+            "policy_tokens": timer.tokens["policy_with_grad"], "policy_calls": timer.policy_calls,
             "old_logprob_rows_skipped": int(saved.get("old_logprob_rows_skipped", 0)),
             "padding_tokens_skipped": int(saved.get("padding_tokens_skipped", 0))}
 

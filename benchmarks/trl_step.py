@@ -44,10 +44,12 @@ VARIANTS = {  # name -> grpo_patches.enable options (None: unpatched)
     "patched_metrics": {"dropped_rows_metrics": True},
     "patched_verify": {"verify_every": 1},  # --verify: every step a verify step
     "patched_tiled": {"tiled_loss": True},  # the tiled lm-head loss too (the fused Triton fold on CUDA)
+    "patched_packed": {"pack_kept_rows": True},  # the kept rows of a window dealt into full micro-batches
 }
 VARIANT_LABELS = {"unpatched": "unpatched", "patched": "patched (defaults)",
                   "patched_metrics": "patched, dropped_rows_metrics=True",
-                  "patched_verify": "patched, verify_every=1", "patched_tiled": "patched, tiled_loss=True"}
+                  "patched_verify": "patched, verify_every=1", "patched_tiled": "patched, tiled_loss=True",
+                  "patched_packed": "patched, pack_kept_rows=True"}
 TARGET = 0.30  # training side at 75 % zero-advantage rows <= 0.30 x unpatched
 QUICK = {"hidden": 64, "layers": 2, "vocab": 1024, "completion_tokens": 16, "steps": 4, "warmup": 2, "rounds": 1}
 
@@ -56,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 0.75], help="zero-advantage row shares")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                   default=[v for v in VARIANTS if v not in ("patched_verify", "patched_tiled")])
+                   default=[v for v in VARIANTS if v not in ("patched_verify", "patched_tiled", "patched_packed")])
     p.add_argument("--verify", action="store_true",
                    help="add patched with verify_every=1 (and patched): the cost of a verify step vs a normal one")
     p.add_argument("--rounds", type=int, default=3, help="round-robin repetitions (median)")
@@ -143,6 +145,7 @@ def summarize(runs: list[dict], variants: list[str], fractions: list[float]) -> 
                      for r in mine if r["round"] in base and r["grad_norm"] and base[r["round"]]["grad_norm"]]
             row["grad_norm_step1_rel_diff"] = max(first) if first else None
             row["rows"] = mine[0]["rows"]
+            row["calls"] = mine[0].get("policy_calls_per_step")
             row["savings"] = mine[0]["savings"]
             rows.append(row)
     return rows
@@ -151,7 +154,7 @@ def summarize(runs: list[dict], variants: list[str], fractions: list[float]) -> 
 def format_table(rows: list[dict]) -> str:
     head = ("| zero rows | variant | " + " | ".join(LABELS[c] for c in COMPONENTS)
             + " | training side | × unpatched | CPU s, training side | × unpatched (CPU) | generation (apart) "
-              "| step-1 grad-norm rel. diff |")
+              "| step-1 grad-norm rel. diff | forward/backward calls per step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if r["status"] != "ok":
@@ -162,8 +165,9 @@ def format_table(rows: list[dict]) -> str:
         cpu_ratio = "-" if r["cpu_vs_unpatched"] is None else f"{r['cpu_vs_unpatched']:.2f}"
         diff = "-" if r["grad_norm_step1_rel_diff"] is None or r["variant"] == "unpatched" else \
             f"{r['grad_norm_step1_rel_diff']:.1e}"
+        calls = "-" if r.get("calls") is None else f"{r['calls']:.2f}"
         lines.append(f"| {r['fraction']:.0%} | {VARIANT_LABELS[r['variant']]} | {comps} | {r['trainer_side']:.2f} | "
-                     f"{ratio} | {r['cpu_trainer_side']:.2f} | {cpu_ratio} | {r['generation']:.2f} | {diff} |")
+                     f"{ratio} | {r['cpu_trainer_side']:.2f} | {cpu_ratio} | {r['generation']:.2f} | {diff} | {calls} |")
     return "\n".join(lines)
 
 

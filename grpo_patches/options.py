@@ -8,12 +8,14 @@ from typing import Any, Mapping
 
 from grpo_patches.errors import OptionError
 
-#: Values of ``zero_advantage_filter`` and ``tiled_loss``: ``"auto"`` switches the
+#: Values of ``zero_advantage_filter``, ``tiled_loss`` and ``pack_kept_rows``: ``"auto"`` switches the
 #: optimization off (and says why in status) when it cannot reproduce the config exactly;
 #: ``True`` refuses such a config with one clear error before training.
 _AUTO_VALUES = ("auto", True, False)
 #: The options that switch an optimization on or off (the others parametrise one).
-OPTIMIZATIONS = ("recompute", "logprob_skip", "zero_advantage_filter", "tiled_loss")
+OPTIMIZATIONS = ("recompute", "logprob_skip", "zero_advantage_filter", "tiled_loss", "pack_kept_rows")
+#: Options taking "auto", True or False.
+_AUTO_OPTIONS = ("zero_advantage_filter", "tiled_loss", "pack_kept_rows")
 #: Values of ``verify_action``: what a verify step that finds a difference does.
 VERIFY_ACTIONS = ("raise", "disable")
 
@@ -31,6 +33,10 @@ class Options:
     :ivar tiled_loss: compute the policy loss with the tiled lm-head loss (opt-in; ``"auto"``:
         on where it reproduces the framework's loss exactly, else the framework's own path
         with the reason in status; ``True``: a clear error for what it cannot reproduce).
+    :ivar pack_kept_rows: deal the rows the zero-advantage filter keeps into full micro-batches
+        across the accumulation window, so that fewer forward/backward calls run (opt-in for now;
+        each row keeps its loss weight; ``"auto"``: on where that is exact, else off with the
+        reason in status; ``True``: a clear error for what it cannot reproduce). TRL only.
     :ivar tile_size: tokens per tile of the tiled loss; ``None`` picks it from a memory budget.
     :ivar dropped_rows_metrics: what the rows the zero-advantage filter drops cost, and what
         the metrics logged over a micro-batch mean (one meaning in every adapter):
@@ -62,6 +68,7 @@ class Options:
     logprob_skip: bool = True
     zero_advantage_filter: bool | str = "auto"
     tiled_loss: bool | str = False
+    pack_kept_rows: bool | str = False
     tile_size: int | None = None
     dropped_rows_metrics: bool = False
     verify_every: int | None = None
@@ -80,7 +87,7 @@ class Options:
         for name in ("recompute", "logprob_skip", "dropped_rows_metrics"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name!r} must be True or False, got {options[name]!r}")
-        for name in ("zero_advantage_filter", "tiled_loss"):
+        for name in _AUTO_OPTIONS:
             value = options.get(name, "auto")
             if not any(value is v or (isinstance(v, str) and value == v) for v in _AUTO_VALUES):
                 raise OptionError(f"option {name!r} must be one of 'auto', True, False; got {value!r}")
@@ -130,13 +137,13 @@ def parse_env_options(text: str) -> dict[str, Any]:
                                       f"(Python: {name}=<{what.split()[-1]}> or None)") from None
         elif name == "verify_action":
             result[name] = low
-        elif name in ("zero_advantage_filter", "tiled_loss") and low == "auto":
+        elif name in _AUTO_OPTIONS and low == "auto":
             result[name] = "auto"
         elif low in ("1", "true", "yes", "on"):
             result[name] = True
         elif low in ("0", "false", "no", "off"):
             result[name] = False
-        elif name in ("zero_advantage_filter", "tiled_loss"):
+        elif name in _AUTO_OPTIONS:
             raise OptionError(f"option {name!r} must be auto, {switches}; got {raw!r} "
                               f"(Python: {name}='auto', True or False)")
         else:

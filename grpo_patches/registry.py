@@ -137,6 +137,16 @@ class Adapter:
                 )
             elif value not in (False, None):
                 notes[option] = f"off: {text}"
+        declared = {t.option for t in self.patches}
+        for option in OPTIMIZATIONS:  # an opt-in optimization asked of an adapter without it (e.g. pack_kept_rows)
+            value = getattr(options, option)
+            if option in declared or option in self.not_applicable or value is False or option not in _OPT_IN:
+                continue
+            text = f"{option} is not available for {self.name} yet"
+            if value is True:
+                raise UnsupportedFrameworkError(f"{self.name} {version}: {text}. Pass {option}=False to "
+                                                "grpo_patches.enable(...)")
+            notes[option] = f"off: {text}"
         if options.verify_every is not None and not any(t.option == "verify_every" for t in self.targets(version)):
             text = f"verify mode is not available for {self.name} {version} yet: no check would run"
             covered = sorted({t.versions or self.supported for t in self.patches if t.option == "verify_every"})
@@ -155,6 +165,9 @@ class Adapter:
 
 #: Options that are ``True`` by default: an unsupported version turns them off with a note.
 _ON_BY_DEFAULT = tuple(name for name, value in Options().as_dict().items() if value is True)
+#: Optimizations that are off by default: asked of an adapter that has no record for them, an error
+#: (``True``) or a note (``"auto"``), never a silent no-op.
+_OPT_IN = tuple(name for name in OPTIMIZATIONS if getattr(Options(), name) is False)
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:

@@ -190,7 +190,7 @@ def as_loss(value: "torch.Tensor", params: Sequence["torch.Tensor"], grads: Sequ
     The chosen gradient of a verify step reaches ``.grad`` as if that path had run alone:
     ``d/dp sum(p * g) = g``, and the value carries no gradient of its own."""
     terms = [(p * g.to(p.dtype)).sum() for p, g in zip(params, grads) if g is not None and p.requires_grad]
-    if not terms:
-        return value.detach()
+    if not terms:  # no gradient at all (a micro-step with nothing to train): still a loss to backward
+        return value.detach().requires_grad_(value.requires_grad)
     surrogate = sum(terms[1:], terms[0])
     return value.detach() + (surrogate - surrogate.detach()).to(value.dtype)

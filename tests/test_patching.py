@@ -362,3 +362,17 @@ def test_status_shows_each_attributes_stack_outermost_first(fakefw):
     assert set(stacks) >= {"fakefw.trainer:Trainer.step", "fakefw.trainer:helper"}
     assert all(isinstance(s, list) and s for s in stacks.values())
     assert any("(tiled_loss)" in w for w in stacks["fakefw.trainer:helper"])
+
+
+def test_an_opt_in_optimization_an_adapter_lacks_is_an_error_or_a_note_never_a_no_op():
+    from packaging.version import Version
+
+    from grpo_patches import registry
+    from grpo_patches.options import Options
+
+    adapter = registry.Adapter(name="x", distribution="x", supported=">=1", patches=())
+    assert adapter.select(Version("1.0"), Options())[1] == {}
+    assert adapter.select(Version("1.0"), Options(pack_kept_rows="auto"))[1] == {
+        "pack_kept_rows": "off: pack_kept_rows is not available for x yet"}
+    with pytest.raises(UnsupportedFrameworkError, match="pack_kept_rows=False"):
+        adapter.select(Version("1.0"), Options(pack_kept_rows=True))

@@ -12,32 +12,23 @@ autocast forward sits on the inner module): TRL's own bf16 distance from it is r
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 
 pytest.importorskip("trl")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from tests.helpers.spawned_ranks import free_port, rank_environment, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
     """Both scenarios in one process pair (TRL is imported once): correct code, then the fault."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    rank_environment(rank, port, WORLD)
     from grpo_patches import verify_log
     from grpo_patches.demo import tiny_model
     from grpo_patches.errors import ExactnessError
@@ -74,14 +65,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
     tmp = tmp_path_factory.mktemp("verify_ddp")
     model = tiny_model.tiny_model_path(tmp / "model")  # built once, before the ranks start
-    context = mp.spawn(_worker, args=(_free_port(), str(tmp), model), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 600
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the ranks did not finish (a rank waiting in a collective?)")
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD)]
+    return run_ranks(_worker, (free_port(), str(tmp), model), WORLD, tmp, timeout=600)
 
 
 def test_two_ranks_verify_and_agree(ranks):

@@ -10,14 +10,13 @@ denominator is checked to fail.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_patches.zero_advantage import filter_zero_advantage
+from tests.helpers.spawned_ranks import run_ranks
 from tests.helpers.zero_advantage_cases import CASES, TOL, loss_and_grads, make_batch, make_model, max_rel_diff
 
 WORLD = 2
@@ -74,14 +73,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
-    context = mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2-process gloo run did not finish in 120 s")
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD)]
+    return run_ranks(_worker, (str(tmp / "store"), str(tmp)), WORLD, tmp, timeout=120, what="the 2-process gloo run")
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

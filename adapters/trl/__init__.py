@@ -34,9 +34,12 @@ PATCHES = (
     # Each new trainer: which optimizations run for it, decided once (an incompatible setting is an
     # error when the trainer is built). TRL warns from __init__ with stacklevel=2: the caller's frame.
     PatchTarget(GRPO_MODULE, "GRPOTrainer.__init__", f"{_HERE}.on_init:init", caller_frame=True),
-    # Each micro-step: counts the HF Trainer's real accumulation window (the recompute decision's input).
-    PatchTarget(GRPO_MODULE, "GRPOTrainer.training_step", f"{_HERE}.accumulation_window:training_step",
-                option="recompute"),
+    # Each micro-step: counts the HF Trainer's real accumulation window (the recompute decision's and
+    # packing's input; a counter, so always applied).
+    PatchTarget(GRPO_MODULE, "GRPOTrainer.training_step", f"{_HERE}.accumulation_window:training_step"),
+    # Each training micro-step: the window's kept rows dealt into full micro-batches before TRL serves one.
+    PatchTarget(GRPO_MODULE, "GRPOTrainer._prepare_inputs", f"{_HERE}.packing:prepare_inputs",
+                option="pack_kept_rows"),
     # A rollout, innermost first: the old-logprob pass (recompute decision, deferral to the kept rows,
     # the reference pass observed); verify mode outermost, so that it sees the rollout the others
     # made and, on a rollout a verify step consumes, TRL's own pass over every row.

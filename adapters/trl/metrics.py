@@ -162,17 +162,19 @@ def snapshot(bucket: Mapping[str, list]) -> dict[str, int]:
 
 
 def relabel(trainer: Any, bucket: dict[str, list], before: Mapping[str, int],
-            kept_value: Callable[[str], float | None]) -> None:
+            kept_value: Callable[[str], float | None], packed: bool = False) -> None:
     """Rewrite the metrics TRL appended during one filtered loss call (module docstring).
 
     :param kept_value: the kept-rows value of a :data:`FROM_FORWARD` metric (``None`` when it
         cannot be computed: the metric is then dropped, with a note).
+    :param packed: the micro-batch was dealt by :mod:`.packing`: the :data:`EXACT` metrics are
+        per-micro-batch means over other micro-batches than TRL's, so they are dropped too.
     """
     for name in list(bucket):
         if name.startswith("grpo_patches/") or name.endswith(SUFFIX):
             continue
         new = bucket[name][before.get(name, 0):]
-        if not new or name in EXACT:
+        if not new or (name in EXACT and not packed):
             continue
         del bucket[name][before.get(name, 0):]
         if not bucket[name] and name not in before:
@@ -181,6 +183,9 @@ def relabel(trainer: Any, bucket: dict[str, list], before: Mapping[str, int],
         if value is not None:
             if not math.isnan(value):  # NaN: no kept row on any process in this call, nothing to log
                 bucket.setdefault(name + SUFFIX, []).append(value)
+        elif name in EXACT:
+            FRAMEWORK.note(f"metric {name}", "not logged: a per-micro-batch mean, and pack_kept_rows deals the "
+                           "rows into other micro-batches; pack_kept_rows=False logs it", owner=trainer)
         else:
             FRAMEWORK.note(f"metric {name}", "not logged: it needs the dropped rows' forward; "
                            "grpo_patches.enable('trl', dropped_rows_metrics=True) logs it", owner=trainer)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from grpo_patches.errors import GrpoPatchesWarning
 
-from . import FRAMEWORK, old_logprobs, overrides, tiled, zero_advantage
+from . import FRAMEWORK, old_logprobs, overrides, packing, tiled, zero_advantage
 
 
 def init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -26,6 +26,8 @@ def init(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
         zero_advantage.decide(instance)  # raises for True, notes "off: why" for "auto"
     if FRAMEWORK.on("tiled_loss"):  # select() refused it outside the tiled record's range
         tiled.decide(instance)
+    if FRAMEWORK.on("pack_kept_rows"):
+        packing.decide(instance)
     if FRAMEWORK.on("verify_every"):
         why = overrides.why_off(instance, "verify_every")
         if why is not None:  # never say "verified" for a class whose loss bypasses the wrapper

@@ -89,6 +89,8 @@ class TrainerState:
     :ivar filter_on: whether the zero-advantage filter runs for this trainer (decided once).
     :ivar objective: the trainer's loss (:class:`.loss_modes.Objective`), once the filter decided.
     :ivar tiled_on: whether the tiled loss runs for this trainer (decided once).
+    :ivar pack_on: whether the kept rows of a window are packed (:mod:`.packing`; decided once).
+    :ivar segment: the micro-batches packing dealt for the running window (:class:`.packing.Segment`).
     :ivar totals: running totals of the counters written to TRL's metrics, by (mode, name).
     :ivar verify_rollout: the latest rollout's old-logprob pass over every row, kept when a
         verify step consumes it (:mod:`.verify_rollout`).
@@ -100,6 +102,8 @@ class TrainerState:
     filter_on: bool | None = None
     objective: Any = None
     tiled_on: bool | None = None
+    pack_on: bool | None = None
+    segment: Any = None
     totals: dict[tuple[str, str], float] = field(default_factory=dict)
     verify_rollout: StoredRollout | None = None
 
@@ -170,6 +174,8 @@ class LossCall:
     :ivar row_inputs: each row's multimodal model inputs (recorded once per call).
     :ivar padding_tokens_skipped: token positions of the kept rows not computed because no kept
         row uses their column (:mod:`.trim`).
+    :ivar packed: the micro-batch was dealt by ``pack_kept_rows`` (:mod:`.packing`; verify mode
+        then names that optimization too).
     """
 
     verifying: bool = False
@@ -185,6 +191,7 @@ class LossCall:
     forward_rows: int = 0
     row_inputs: Any = None
     padding_tokens_skipped: int = 0
+    packed: bool = False
 
 
 #: The micro-step's loss call (entered by the outermost ``compute_loss`` / ``_compute_loss`` record).

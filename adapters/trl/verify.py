@@ -160,8 +160,8 @@ class MicroStep:
                 verify_rows.unpatch_buffer(self.trainer)
                 loss, end = self.unpatched()
                 return self.finish(loss, end)
-        names = [name for name, ran in (("zero_advantage_filter", call.keep is not None),
-                                        ("tiled_loss", call.tiled is not None)) if ran]
+        names = [name for name, ran in (("zero_advantage_filter", call.keep is not None or call.packed),
+                                        ("pack_kept_rows", call.packed), ("tiled_loss", call.tiled is not None)) if ran]
         if not names:
             return self.finish(loss, end)
         return self.compare_gradients(names, loss, end)

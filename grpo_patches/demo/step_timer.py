@@ -49,6 +49,8 @@ class StepTimer:
     rows: dict[str, int] = field(default_factory=lambda: {"old_logprobs": 0, "policy_with_grad": 0, "policy_no_grad": 0})
     tokens: dict[str, int] = field(default_factory=lambda: {"old_logprobs": 0, "policy_with_grad": 0})
     passes: dict[str, int] = field(default_factory=lambda: {"old_logprob_passes": 0, "reference_passes": 0})
+    #: calls of the log-prob method in the loss with gradients (each one forward and one backward)
+    policy_calls: int = 0
     steps: list[dict[str, float]] = field(default_factory=list)
     _in_loss: bool = False
     _optimizer: Any = None
@@ -79,6 +81,7 @@ class StepTimer:
             if self._in_loss:
                 self.rows["policy_with_grad" if torch.is_grad_enabled() else "policy_no_grad"] += rows
                 self.tokens["policy_with_grad"] += int(ids.numel()) if torch.is_grad_enabled() else 0
+                self.policy_calls += int(torch.is_grad_enabled())
                 return wrapped(*args, **kwargs)
             reference = model is not None and model is getattr(instance, "ref_model", None)
             self.passes["reference_passes" if reference else "old_logprob_passes"] += 1

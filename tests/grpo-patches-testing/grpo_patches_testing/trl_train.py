@@ -74,6 +74,7 @@ class ForwardRows:
     (so a pass the patches answer without running it is not counted)."""
 
     with_grad: int = 0  # the policy forward of the loss
+    with_grad_calls: int = 0
     no_grad: int = 0  # old-logprob / reference passes, and the dropped rows' metrics forward
     no_grad_calls: int = 0
     tokens: int = 0  # token positions (rows x columns) through every forward counted here
@@ -97,6 +98,7 @@ def _count_forwards(counter: ForwardRows) -> Callable[[], None]:
         counter.tokens += int(ids.numel())
         if torch.is_grad_enabled():
             counter.with_grad += rows
+            counter.with_grad_calls += 1
         else:
             counter.no_grad += rows
             counter.no_grad_calls += 1
