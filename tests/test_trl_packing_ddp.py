@@ -9,15 +9,11 @@ optimizer step's reduced gradient equals the unpatched run's.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("trl")
 
-import torch  # noqa: E402
-
-from tests.helpers.spawned_ranks import free_port, rank_environment, run_ranks  # noqa: E402
+from tests.helpers.spawned_ranks import finish_rank, rank_environment, run_ranks_on_the_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +37,12 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
         out[name] = {"grads": grads.steps, "calls": result.forwards.with_grad_calls,
                      "skipped": result.savings.get("micro_batches_skipped", 0),
                      "rows_dropped": result.savings.get("rows_dropped", 0)}
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_rank(out_dir, rank, out)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    from grpo_patches.demo import tiny_model
-
-    tmp = tmp_path_factory.mktemp("packing_ddp")
-    model = tiny_model.tiny_model_path(tmp / "model")  # built once, before the ranks start
-    return run_ranks(_worker, (free_port(), str(tmp), model), WORLD, tmp, timeout=600)
+    return run_ranks_on_the_tiny_model(_worker, tmp_path_factory.mktemp("packing_ddp"), WORLD, timeout=600)
 
 
 def test_two_ranks_pack_alike_and_keep_the_reduced_gradient(ranks):

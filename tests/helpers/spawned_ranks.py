@@ -41,3 +41,22 @@ def run_ranks(worker: Callable[..., None], args: tuple, world: int, out_dir: str
                 process.kill()
             pytest.fail(f"{what} did not finish in {timeout:.0f} s (a rank waiting in a collective?)")
     return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world)]
+
+
+def finish_rank(out_dir: str | Path, rank: int, result: Any) -> None:
+    """Save what this rank found (``out_dir/rank<r>.pt``) and leave the process group."""
+    import torch
+    import torch.distributed as dist
+
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks_on_the_tiny_model(worker: Callable[..., None], out_dir: Path, world: int, timeout: float) -> list[Any]:
+    """``worker(rank, port, out_dir, model_path)`` on ``world`` ranks, the demo's tiny model
+    saved once before they start (so that no rank writes it while another reads it)."""
+    from grpo_patches.demo import tiny_model
+
+    model = tiny_model.tiny_model_path(out_dir / "model")
+    return run_ranks(worker, (free_port(), str(out_dir), model), world, out_dir, timeout)
