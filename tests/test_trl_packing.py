@@ -16,6 +16,7 @@ from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches_testing.trl_train import require_loss_type, train  # noqa: E402
 
 from tests.helpers.trl_gradients import Gradients, rel_l2  # noqa: E402
+from tests.helpers.trl_runs import needs_tiled  # noqa: E402
 
 
 #: GA = steps_per_generation = 4 micro-batches of 4 rows per window; half the prompts saturated.
@@ -170,3 +171,16 @@ def test_bf16_packing_stays_within_upstreams_own_rebatching_noise():
     packed = rel_l2(got_grads[0], ref_grads[0])
     print(f"bf16 step-1 gradient vs unpatched: upstream re-batched {floor:.1e}, packed {packed:.1e}")
     assert 0 < floor and packed <= 4 * floor, (packed, floor)
+
+
+@needs_tiled
+def test_packing_with_the_tiled_loss_stays_exact():
+    """The dealt micro-batches' loss tile by tile (TRL 1.16's normalisers), the skipped ones none."""
+    overrides = dict(loss_type="dapo")
+    ref, ref_grads = _run(None, **overrides)
+    grads = Gradients()
+    got = train(True, dict(ONLY_FILTER, pack_kept_rows=True, tiled_loss=True), callbacks=[grads.callback],
+                **{**CONFIG, **overrides})
+    assert max(rel_l2(a, b) for a, b in zip(grads.steps, ref_grads)) <= 1e-5
+    assert got.savings["micro_batches_skipped"] > 0 and got.notes()["tiled_loss"].startswith("on")
+    assert got.forwards.with_grad_calls == ref.forwards.with_grad_calls - got.savings["micro_batches_skipped"]

@@ -24,10 +24,10 @@ backward. Nothing else changes: the number of micro-steps and optimizer steps, T
 (later iterations re-read it unchanged), the logged loss (a sum of the same per-row terms).
 
 Not packed, with the reason in ``status()`` (``"auto"``; ``True`` refuses the trainer when it
-is built): ``bnpo`` (a token mean over each micro-batch), ``dropped_rows_metrics=True``, the
-tiled loss, multimodal rollouts, DeepSpeed / FSDP (a micro-step without a backward). A segment is
-served to its end once dealt. On a verify
-step every dealt micro-step is verified as any other (a skipped one's gradient, 0, against TRL's
+is built): ``bnpo`` (a token mean over each micro-batch), ``dropped_rows_metrics=True``,
+multimodal rollouts, DeepSpeed / FSDP (a micro-step without a backward). With the tiled loss the
+dealt micro-batches are computed tile by tile like any other. A segment is served to its end
+once dealt. On a verify step every dealt micro-step is verified as any other (a skipped one's gradient, 0, against TRL's
 on the same rows: a kept row dealt there would show), and every deal is checked to hold each row
 of the window exactly once. TRL's clip fractions are per-micro-batch means: under packing they
 are not logged (a note says so).
@@ -81,8 +81,6 @@ def why_not(trainer: Any) -> str | None:
         return "the zero-advantage filter is off for this trainer"
     if FRAMEWORK.on("dropped_rows_metrics"):
         return "dropped_rows_metrics=True forwards every row for its metrics"
-    if FRAMEWORK.on("tiled_loss"):
-        return "the tiled loss computes each micro-batch's loss itself (not combined with packing yet)"
     objective = state.of(trainer).objective
     if objective.denominator not in EXACT_DENOMINATORS:
         return (f"loss_type={objective.name!r} divides by each micro-batch's tokens: a moved row would "

@@ -115,7 +115,7 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         # the gradient comparison to catch, and the patched result is then not used)
         inputs = placeholders.guard(inputs, read=plan.keep, strict=not call.verifying)
         call.keep, call.dropped_forward = plan.keep, with_metrics
-        call.packed = skipped_micro_batches.dealt(instance, arguments["inputs"])
+        call.packed = call.packed or skipped_micro_batches.dealt(instance, arguments["inputs"])
         call.always_split = distributed and with_metrics
         call.fill_logps = inputs.get(placeholders.KEY)
         loss = arguments.call(wrapped, inputs=inputs)
