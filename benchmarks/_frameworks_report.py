@@ -28,7 +28,7 @@ def _ratio(value: float | None) -> str:
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = ("| framework | trainer code | trainer side s/step off → on | ratio | CPU-s ratio | generation s/step | "
             "old-logprob passes | reference passes | rows dropped | peak RSS MB | max abs Δ final weights | "
-            "old-logprob rows computed | policy tokens through the forward |")
+            "old-logprob rows computed | policy tokens through the forward | policy forward/backward calls |")
     lines = [f"Measured {meta['date']}, {meta['rounds']} round(s), {meta['cpu_count']} CPU cores: {meta['workload']}.",
              f"Command: `{meta['command']}`."]
     batches = meta.get("spec", {}).get("mini_batches", 1)
@@ -47,7 +47,7 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"| **{r['ratio']:.2f}×** | {_ratio(r.get('ratio_cpu'))} | {r['generation_s']:.3f} | {_pair(r['old_logprob_passes'])} "
             f"| {_pair(r['reference_passes'])} | {r['rows_dropped']} / {r['rows_total']} "
             f"| {_pair(r['peak_rss_mb'], '{:.0f}')} | {r['max_weight_diff']:.1e} "
-            f"| {_counts(r.get('old_logprob_rows'))} | {_counts(r.get('policy_tokens'))} |")
+            f"| {_counts(r.get('old_logprob_rows'))} | {_counts(r.get('policy_tokens'))} | {_counts(r.get('policy_calls'))} |")
     return "\n".join(lines)
 
 

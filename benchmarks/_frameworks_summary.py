@@ -68,5 +68,6 @@ def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]
         "mini_batches": spec.get("mini_batches", 1),
         "old_logprob_rows": [old_logprob_rows(off_last), old_logprob_rows(on_last)],
         "policy_tokens": [off_last.get("policy_tokens"), on_last.get("policy_tokens")],
+        "policy_calls": [off_last.get("policy_calls"), on_last.get("policy_calls")],
         "padding_tokens_skipped": on_last.get("padding_tokens_skipped"),
     }

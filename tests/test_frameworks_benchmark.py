@@ -210,8 +210,9 @@ def test_the_main_ppo_runner_takes_the_newest_engine_line_verl_and_the_legacy_ru
 
 
 def test_old_logprob_rows_and_policy_tokens_become_off_on_columns():
-    off = {**_run([1.0, 2.0]), "old_logprob_rows": 256, "policy_tokens": 9000}
-    on = {**_run([1.0, 1.0]), "old_logprob_rows": 256, "old_logprob_rows_skipped": 208, "policy_tokens": 2000}
+    off = {**_run([1.0, 2.0]), "old_logprob_rows": 256, "policy_tokens": 9000, "policy_calls": 16}
+    on = {**_run([1.0, 1.0]), "old_logprob_rows": 256, "old_logprob_rows_skipped": 208, "policy_tokens": 2000,
+          "policy_calls": 16}
     trl_on = {**on, "old_logprob_rows": 64, "old_logprob_rows_net": True}  # counted beneath the patches: net
     row = frameworks.summarise("verl", {**SPEC, "mini_batches": 4}, [(off, on, 0.0)])
     assert row["old_logprob_rows"] == [256, 48] and row["policy_tokens"] == [9000, 2000] and row["mini_batches"] == 4
@@ -219,7 +220,7 @@ def test_old_logprob_rows_and_policy_tokens_become_off_on_columns():
     absent = frameworks.summarise("nemo_rl", SPEC, [(_run([1.0, 2.0]), _run([1.0, 1.0]), 0.0)])
     meta = {"date": "d", "rounds": 1, "cpu_count": 2, "workload": "w", "command": "c", "spec": {"mini_batches": 4}}
     text = report.table(meta, [row, absent])
-    assert "| 256 → 48 (0.19×) | 9000 → 2000 (0.22×) |" in text and "| - | - |" in text
+    assert "| 256 → 48 (0.19×) | 9000 → 2000 (0.22×) | 16 → 16 (1.00×) |" in text and "| - | - | - |" in text
     assert "one rollout batch (4 optimizer steps)" in text
     assert len({line.count("|") for line in text.splitlines() if line.startswith("|")}) == 1
 
