@@ -83,7 +83,8 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     return {"version": version, "line": "V1 trainer (main_ppo, engine workers)", "steps": steps,
             "old_logprob_passes": len(result.metrics) - skipped,
             "reference_passes": sum("timing_s/ref" in m for m in result.metrics),
-            "rows_dropped": int(sum(m.get("actor/grpo_patches/rows_dropped", 0) for m in result.metrics)),
+            # the worker's total: verl logs the mean of a step's mini-batches under actor/grpo_patches/rows_dropped
+            "rows_dropped": int(result.status.get("savings", {}).get("rows_dropped", 0)),
             "rows_total": spec["prompts"] * spec["generations"] * len(result.metrics),
             "old_logprob_rows": (len(result.metrics) - skipped) * spec["prompts"] * spec["generations"],
             "old_logprob_rows_skipped": rows_skipped,
