@@ -90,7 +90,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     keep, size = packing_engine.packed_rows(plan.keep.cpu(), mask, data)
     padding = plan.padding_rows + int(keep.numel()) - plan.rows_kept
     dropped = rows - int(keep.numel())
-    upstream = packing_engine.micro_batch_count(instance, data)  # before verl's body assigns to ``data``
+    upstream = packing_engine.micro_batch_count(instance, data)  # the calls verl would run unfiltered
     calls = [0]
     if dropped == 0:
         output = wrapped(*args, **kwargs)
