@@ -63,8 +63,9 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_min
     assert len(ref.grads) == n_mini and err <= TOL, err
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT  # dropped rows: no forward, no backward
     assert got.nograd_rows == 0 and got.forwards < ref.forwards
-    rows = got.metrics["grpo_patches/rows_dropped"]
+    rows, calls = got.metrics["grpo_patches/rows_dropped"], got.metrics["grpo_patches/microbatches_dropped"]
     assert (sum(rows) if isinstance(rows, list) else rows) == h.ROWS - KEPT
+    assert (sum(calls) if isinstance(calls, list) else calls) == ref.forwards - got.forwards  # the calls saved
 
 
 def test_several_epochs(workers, record_property):
