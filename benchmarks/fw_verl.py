@@ -58,11 +58,11 @@ class _Group:
 
 
 class _TokenCounter:
-    """Token positions (rows x columns of ``input_ids``) through a model's forwards with gradients:
-    the policy update's forwards (the log-prob passes run without gradients)."""
+    """Token positions (rows x columns of ``input_ids``) and calls through a model's forwards with
+    gradients: the policy update's forward/backward calls (the log-prob passes run without gradients)."""
 
     def __init__(self, model: Any) -> None:
-        self.tokens = 0
+        self.tokens = self.calls = 0
         model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -71,6 +71,7 @@ class _TokenCounter:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and torch.is_grad_enabled():
             self.tokens += int(ids.numel())
+            self.calls += 1
 
 
 def _config(spec: dict[str, Any]) -> Any:
@@ -188,7 +189,8 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
             "old_logprob_passes": trainer.actor_rollout_wg.calls, "reference_passes": trainer.ref_policy_wg.calls,
             "rows_dropped": dropped, "rows_total": total,
             "old_logprob_rows": trainer.actor_rollout_wg.rows, "old_logprob_rows_net": True,
-            "old_logprob_rows_skipped": skipped, "policy_tokens": counter.tokens}
+            "old_logprob_rows_skipped": skipped, "policy_tokens": counter.tokens,
+            "policy_calls": counter.calls}
 
 
 def _as_list(value: Any) -> list[float]:

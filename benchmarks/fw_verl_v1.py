@@ -19,7 +19,8 @@ a ``timing_s/ref`` entry), and the old-logprob rows as the rows of the passes ru
 ``mini_batches`` (its completions are the stand-in rollout's: ``variable_lengths`` changes only
 the prompts). The peak RSS is the training worker's, and so are the policy tokens: the token
 positions of ``input_ids`` through the actor's forwards with gradients (remove-padding is on, as
-in verl's example: rows packed without padding, so this counts the kept rows' own tokens). No CPU seconds: the stages
+in verl's example: rows packed without padding, so this counts the kept rows' own tokens), and
+the policy calls are those forwards (one per forward/backward micro-batch). No CPU seconds: the stages
 run in other processes. Called by ``_framework_worker.py``.
 """
 
@@ -82,8 +83,10 @@ def run(spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     return {"version": version, "line": "V1 trainer (main_ppo, engine workers)", "steps": steps,
             "old_logprob_passes": len(result.metrics) - skipped,
             "reference_passes": sum("timing_s/ref" in m for m in result.metrics),
-            "rows_dropped": int(sum(m.get("actor/grpo_patches/rows_dropped", 0) for m in result.metrics)),
+            # the worker's total: verl logs the mean of a step's mini-batches under actor/grpo_patches/rows_dropped
+            "rows_dropped": int(result.status.get("savings", {}).get("rows_dropped", 0)),
             "rows_total": spec["prompts"] * spec["generations"] * len(result.metrics),
             "old_logprob_rows": (len(result.metrics) - skipped) * spec["prompts"] * spec["generations"],
             "old_logprob_rows_skipped": rows_skipped,
-            "peak_rss_mb": result.peak_rss_mb, "policy_tokens": result.policy_tokens}
+            "peak_rss_mb": result.peak_rss_mb, "policy_tokens": result.policy_tokens,
+            "policy_calls": result.policy_calls}

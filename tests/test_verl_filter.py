@@ -63,8 +63,9 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_min
     assert len(ref.grads) == n_mini and err <= TOL, err
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT  # dropped rows: no forward, no backward
     assert got.nograd_rows == 0 and got.forwards < ref.forwards
-    rows = got.metrics["grpo_patches/rows_dropped"]
+    rows, calls = got.metrics["grpo_patches/rows_dropped"], got.metrics["grpo_patches/microbatches_dropped"]
     assert (sum(rows) if isinstance(rows, list) else rows) == h.ROWS - KEPT
+    assert (sum(calls) if isinstance(calls, list) else calls) == ref.forwards - got.forwards  # the calls saved
 
 
 def test_several_epochs(workers, record_property):
@@ -109,6 +110,77 @@ def test_pack_metrics_keep_verls_names_only_where_provably_equal(workers):
     for name in ("actor/pg_clipfrac", "actor/ppo_kl"):
         assert name in ref.metrics and name not in got.metrics and name + "/kept_rows" in got.metrics
     assert {"grpo_patches/rows_dropped", "grpo_patches/tokens_dropped"} <= set(got.metrics)
+
+
+# --- the kept rows packed: as few micro-batches as they fill (engine line) ---------------------
+
+PACK_MBS = 4  # verl's micro-batch size in the packing tests: kept counts 5, 3 + 2, 2 + 1 + 1 + 1 are no multiple of it
+
+
+@pytest.fixture(scope="module")
+def pack_worker(workers, tmp_path_factory):
+    if LEGACY:
+        pytest.skip("the legacy actor packs its kept rows in update_policy (test_verl_trim)")
+    return engine_runs.EngineWorker(h.model_dir(str(tmp_path_factory.mktemp("verl_pack"))), mbs=PACK_MBS)
+
+
+def packed_shape(n_mini: int) -> tuple[int, int]:
+    """(forward/backward calls, rows through them) the packing makes of the ``sparse`` layout's kept rows:
+    per mini-batch ceil(K / M) micro-batches of ceil(K / calls) rows."""
+    kept = [r for r in range(h.ROWS) if r not in h.ZERO_ROWS["sparse"]]
+    mini = h.ROWS // n_mini
+    calls = rows = 0
+    for m in range(n_mini):
+        k = sum(m * mini <= r < (m + 1) * mini for r in kept)
+        n = -(-k // PACK_MBS)
+        calls, rows = calls + n, rows + n * -(-k // n)
+    return calls, rows
+
+
+@pytest.mark.parametrize("agg", h.AGG_MODES)
+@pytest.mark.parametrize("n_mini", [1, 2, 4])
+def test_kept_rows_fill_as_few_micro_batches_as_they_need(pack_worker, agg, n_mini, record_property):
+    """Static batching: verl's micro-batch size 4, 5 kept rows in 16: 2 calls of 3 rows, not 2 of 4;
+    one micro-batch per mini-batch (the benchmark's shape, n_mini=4): 1-2 rows each, not 4."""
+    ref = pack_worker.run(None, agg=agg, n_mini=n_mini, zero="sparse")
+    got = pack_worker.run(FILTER, agg=agg, n_mini=n_mini, zero="sparse")
+    err = h.max_rel(got, ref)
+    record_property("exact_filter_packed_grad_rel_ws1", err)
+    assert len(ref.grads) == n_mini and err <= TOL, err
+    calls, rows = packed_shape(n_mini)
+    assert (ref.forwards, ref.grad_rows) == (h.ROWS // PACK_MBS, h.ROWS)
+    assert (got.forwards, got.grad_rows) == (calls, rows), (got.forwards, got.grad_rows)
+    assert sum(got.metrics["grpo_patches/microbatches_dropped"]) == ref.forwards - got.forwards
+    assert sum(got.metrics["grpo_patches/padding_rows"]) == rows - (h.ROWS - len(h.ZERO_ROWS["sparse"]))
+    assert got.status["savings"].get("microbatches_dropped", 0) == ref.forwards - got.forwards
+
+
+def test_dynamic_batching_packs_the_kept_rows_by_tokens(workers, record_property):
+    """``use_dynamic_bsz``: verl's own token budget packs the kept rows; the calls saved are counted."""
+    ref = run(None, workers, agg="token-mean", dynamic=True, n_mini=1, zero="sparse")
+    got = run(FILTER, workers, agg="token-mean", dynamic=True, n_mini=1, zero="sparse")
+    err = h.max_rel(got, ref)
+    record_property("exact_filter_packed_grad_rel_ws1", err)
+    assert err <= TOL and got.forwards < ref.forwards and got.grad_rows == h.ROWS - len(h.ZERO_ROWS["sparse"])
+    if not LEGACY:
+        assert got.metrics["grpo_patches/microbatches_dropped"] == [ref.forwards - got.forwards]
+
+
+def test_a_micro_batch_size_in_a_denominator_is_detected(pack_worker, monkeypatch):
+    """The packing is exact only because ppo_loss never reads the micro-batch size: a loss that scales
+    by it (as a ``1 / gradient-accumulation`` factor would) fails the comparison."""
+    from verl.workers.utils import losses
+
+    real = losses.ppo_loss
+
+    def ppo_loss(config, model_output, data, dp_group=None):  # the name the filter recognises verl's loss by
+        loss, metrics = real(config, model_output, data, dp_group)
+        return loss * data["micro_batch_size_per_gpu"] / PACK_MBS, metrics
+
+    monkeypatch.setattr(losses, "ppo_loss", ppo_loss)
+    ref = pack_worker.run(None, agg="token-mean", n_mini=1, zero="sparse")
+    got = pack_worker.run(FILTER, agg="token-mean", n_mini=1, zero="sparse")
+    assert got.forwards < ref.forwards and h.max_rel(got, ref) > 1e2 * TOL
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

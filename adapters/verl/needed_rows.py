@@ -37,18 +37,25 @@ def data_parallel_size(trainer: Any) -> int:
     return max(world // sp, 1)
 
 
-def pass_row_multiple(trainer: Any) -> int:
-    """The row count the old-logprob pass must be a multiple of: the dispatch chunks rows over the
-    data-parallel ranks, and the engine's static micro-batches (``prepare_micro_batches``) split each
-    rank's rows into ``rollout.log_prob_micro_batch_size_per_gpu`` exactly."""
+def pass_shape(trainer: Any, needed: int, rows: int) -> tuple[int, int | None]:
+    """``(rows, micro-batch size)`` of the old-logprob pass over ``needed`` of ``rows`` rows: the dispatch
+    chunks rows evenly over the data-parallel ranks, and the engine's static micro-batches
+    (``prepare_micro_batches``) split each rank's rows into chunks of exactly ``micro_batch_size_per_gpu``.
+    With ``M = rollout.log_prob_micro_batch_size_per_gpu`` and ``c`` needed rows per rank, the pass runs
+    ``n = ceil(c / M)`` micro-batches of ``ceil(c / n)`` rows (the size handed to the worker in the pass's
+    meta data: a forward-only pass, each row's log-probs its own); ``None``: no static size to hand on
+    (dynamic batch sizes, the legacy actor: their micro-batches follow the rows)."""
     dp = data_parallel_size(trainer)
+    per_rank = -(-needed // dp)
     rollout = trainer.config.actor_rollout_ref.rollout
     if not engine_worker(trainer) or rollout.get("log_prob_use_dynamic_bsz", False):
-        return dp
+        return min(per_rank * dp, rows), None
     micro = rollout.get("log_prob_micro_batch_size_per_gpu", None)
     if micro is None and rollout.get("log_prob_micro_batch_size", None) is not None:
         micro = int(rollout.log_prob_micro_batch_size) // dp  # the worker's normalisation of the global size
-    return dp * max(int(micro or 1), 1)
+    calls = max(-(-per_rank // max(int(micro or 1), 1)), 1)
+    size = max(-(-per_rank // calls), 1)
+    return min(calls * size * dp, rows), size
 
 
 def engine_worker(trainer: Any) -> bool:

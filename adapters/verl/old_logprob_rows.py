@@ -11,9 +11,9 @@ filter packing rows a row whose advantage is exactly 0 never reaches a loss. So:
 * ``_update_actor`` (wrapped), once the advantages exist and before any weight changes
   (verl's reference, critic and advantage stages in between leave the actor alone and read
   no old log-probs), runs verl's own ``_compute_old_log_prob`` on the rows of
-  :func:`.needed_rows.needed_rows` (``DataProto.select_idxs``, padded with repeats
-  of its first row to a multiple of the data-parallel size, as the workers' dispatch needs)
-  and scatters them back; the other rows keep the placeholder, which the patched worker
+  :func:`.needed_rows.needed_rows` (``DataProto.select_idxs``, padded with repeats of its
+  first row to fill as few micro-batches as the workers' dispatch and static batching allow,
+  whose size it carries: :func:`.needed_rows.pass_shape`) and scatters them back; the other rows keep the placeholder, which the patched worker
   replaces by the detached current log-probs in the loss (:mod:`.row_substitution`),
   and the update must confirm it did (:mod:`.skip_guarantee`), or the run stops.
 
@@ -31,13 +31,12 @@ from typing import Any, Callable
 
 from grpo_patches import call_reach
 from grpo_patches.call_args import bind
-from grpo_patches.row_merge import round_up
 
 from . import FRAMEWORK
 from . import metrics as verl_metrics
 from . import placeholders, state
 from .config_value import config_value
-from .needed_rows import data_parallel_size, filter_drops_zero_rows, needed_rows, pass_row_multiple
+from .needed_rows import data_parallel_size, filter_drops_zero_rows, needed_rows, pass_shape
 from .old_logprobs import NOTE, needed_elsewhere
 from .skip_guarantee import expect_substitution, workers_substitute_rows
 
@@ -115,10 +114,13 @@ def _run_pass(deferred: Callable[..., Any], trainer: Any, batch: Any, needed: An
     index = torch.nonzero(needed).flatten()
     if index.numel() == 0:
         return 0
-    pad = round_up(index.numel(), pass_row_multiple(trainer)) - index.numel()
+    target, size = pass_shape(trainer, int(index.numel()), len(batch))
+    pad = target - index.numel()
     rows = torch.cat([index, index[:1].repeat(pad)]) if pad else index
     subset = batch.select_idxs(rows)
     subset.meta_info = dict(batch.meta_info)  # select_idxs shares the dict: the update reads the batch's own
+    if size is not None:
+        subset.meta_info["micro_batch_size_per_gpu"] = size  # the engine worker's infer_batch keeps a size it is given
     if "global_token_num" in batch.meta_info:  # verl's MFU estimate reads one length per row
         subset.meta_info["global_token_num"] = [batch.meta_info["global_token_num"][i] for i in rows.tolist()]
     out, _ = deferred(subset)

@@ -12,8 +12,9 @@ keys in TransferQueue and hands on a ``KVBatchMeta``. The legacy trainer's minim
   log-probs in the configs deferred), runs verl's own ``_compute_old_log_prob`` on the
   ``KVBatchMeta.select_keys`` of the rows of :func:`.needed_rows.needed_rows` (the
   update's order: ``_balance_batch`` has already reordered the keys the dispatch chunks),
-  topped up to the dispatch's multiple with unneeded rows (keys are unique: no repeats; those
-  rows just get real old log-probs). verl's pass writes their ``old_log_probs``; the others keep
+  topped up with unneeded rows (keys are unique: no repeats; those rows just get real old
+  log-probs) to fill as few micro-batches as static batching allows, whose size it carries
+  (:func:`.needed_rows.pass_shape`). verl's pass writes their ``old_log_probs``; the others keep
   the placeholder, which the engine worker replaces by the detached current log-probs before
   the first optimizer step or refuses (:mod:`.row_substitution`), and the update must
   confirm it did (:mod:`.skip_guarantee`).
@@ -29,12 +30,11 @@ import copy
 from typing import Any, Callable
 
 from grpo_patches.call_args import bind
-from grpo_patches.row_merge import round_up
 
 from . import FRAMEWORK
 from . import metrics as verl_metrics
 from . import placeholders
-from .needed_rows import needed_rows, pass_row_multiple, useful_rows_of
+from .needed_rows import needed_rows, pass_shape, useful_rows_of
 from .old_logprob_rows import deferral, note_computed, take_deferred
 from .old_logprobs_v1 import needed_elsewhere, nested_like
 from .skip_guarantee import expect_substitution
@@ -96,17 +96,18 @@ def update_actor(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
 
 
 def _run_pass(deferred: Callable[..., Any], extra_info: dict, trainer: Any, batch: Any, needed: Any) -> int:
-    """verl's pass on the keys of the ``needed`` rows (topped up to the dispatch's multiple); rows computed."""
+    """verl's pass on the keys of the ``needed`` rows (topped up to :func:`.needed_rows.pass_shape`); rows computed."""
     import torch
 
     index = torch.nonzero(needed).flatten().tolist()
     if not index:
         return 0
-    multiple = pass_row_multiple(trainer)
-    target = min(round_up(len(index), multiple), len(batch))
+    target, size = pass_shape(trainer, len(index), len(batch))
     chosen = set(index)
     index += [i for i in range(len(batch)) if i not in chosen][: target - len(index)]
     subset = batch.select_keys([batch.keys[i] for i in sorted(index)])
     subset.extra_info = copy.deepcopy(extra_info)
+    if size is not None:
+        subset.extra_info["micro_batch_size_per_gpu"] = size  # the worker's infer_batch keeps a size it is given
     deferred(subset, {})  # its actor/entropy would be the subset's: not logged
     return len(index)

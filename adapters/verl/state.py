@@ -132,6 +132,7 @@ class ZeroAdvantageUpdate:
     padding_rows: int = 0
     grad_rows: int = 0  # rows through a forward with autograd
     micro_batches: int = 0
+    micro_batches_unfiltered: int = 0  # legacy "pack": the micro-batches verl would have run (every epoch)
     padding_tokens_skipped: int = 0  # kept rows x padding columns cut from their forward
 
 

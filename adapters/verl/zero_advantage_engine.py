@@ -7,22 +7,21 @@ A row's share of the loss therefore never depends on the other rows present, and
 zero-advantage row is exact as long as ``batch_num_tokens`` keeps its unfiltered value.
 
 The wrapper (training calls only) computes that value as verl does, asks the
-``grpo_filter_zero_advantage`` hook which rows to keep (the same count on every DP rank,
-padded with zero-advantage rows at weight 0 to a multiple of ``micro_batch_size_per_gpu`` for
-static batching), and calls verl with the kept rows and a loss function that re-assigns the
+``grpo_filter_zero_advantage`` hook which rows to keep (the same count on every DP rank), and
+calls verl with the kept rows (under static batching in as few micro-batches as they fill, with
+a micro-batch size of their own: :mod:`.packing_engine`) and a loss function that re-assigns the
 unfiltered ``batch_num_tokens`` to each micro-batch before ``ppo_loss`` reads it. verl then
-makes fewer micro-batches itself (and syncs the dynamic count over DP): dropped rows cost no
-forward and no backward. The mini-batch, the optimizer step and ``global_batch_size`` are untouched.
+makes fewer, smaller micro-batches itself (and syncs the dynamic count over DP): dropped rows cost
+no forward and no backward. The mini-batch, the optimizer step and ``global_batch_size`` are
+untouched. ``grpo_patches/microbatches_dropped`` counts the forward/backward calls saved.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from grpo_patches.row_merge import round_up
-
 from . import metrics as verl_metrics
-from . import state
+from . import packing_engine, state
 from .calls_engine import CONFIG_ATTRIBUTE, advantages_and_mask, loss_call_data, policy_update_call
 from .loss_modes import effective_agg_mode
 from .zero_advantage import filter_mode
@@ -54,6 +53,8 @@ def settings_problems(config: Any, data: Any) -> tuple[str, ...]:
             and getattr(data["response_mask"], "is_nested", False)):
         problems.append("seq-mean-token-sum-norm with nested response masks and no actor.loss_scale_factor "
                         "divides by each micro-batch's longest response; set actor.loss_scale_factor")
+    if int(tu.get_non_tensor_data(data=data, key="force_group_size", default=1) or 1) != 1:
+        problems.append("force_group_size > 1 keeps consecutive rows in one micro-batch; the filter drops rows one by one")
     return tuple(problems)
 
 
@@ -86,15 +87,21 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     plan = hook().grpo_filter_zero_advantage(advantages=adv, mask=mask, denominator="fixed", group=group)
     if plan is None:
         return wrapped(*args, **kwargs)
-    keep = _static_multiple(plan.keep.cpu(), mask, data)
+    keep, size = packing_engine.packed_rows(plan.keep.cpu(), mask, data)
     padding = plan.padding_rows + int(keep.numel()) - plan.rows_kept
     dropped = rows - int(keep.numel())
+    upstream = packing_engine.micro_batch_count(instance, data)  # the calls verl would run unfiltered
+    calls = [0]
     if dropped == 0:
         output = wrapped(*args, **kwargs)
+        calls[0] = upstream
     else:
         filtered = tu.index_select_tensor_dict(data, keep)
+        if size is not None:
+            tu.assign_non_tensor(filtered, micro_batch_size_per_gpu=size)
 
         def loss_with_unfiltered_tokens(*a: Any, **kw: Any) -> Any:
+            calls[0] += 1
             tu.assign_non_tensor(loss_call_data(a, kw), batch_num_tokens=batch_num_tokens)
             return loss_function(*a, **kw)
 
@@ -105,7 +112,8 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     active = (mask != 0)
     dropped_rows = torch.ones(rows, dtype=torch.bool)
     dropped_rows[keep] = False
-    counts = dict(rows_dropped=dropped, tokens_dropped=int(active.cpu()[dropped_rows].sum()), padding_rows=padding)
+    counts = dict(rows_dropped=dropped, tokens_dropped=int(active.cpu()[dropped_rows].sum()), padding_rows=padding,
+                  microbatches_dropped=upstream - calls[0])
     per_mini_batch = {name: [value] for name, value in counts.items()}
     verl_metrics.report(None, **counts)
     for name, value in per_mini_batch.items():
@@ -127,29 +135,9 @@ def _nograd_update(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     update = state.ZeroAdvantageUpdate(instance, "nograd")
     with state.in_update(zero_advantage=update):
         output = wrapped(*args, **kwargs)
-    counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0)
+    counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0,
+                  microbatches_dropped=0)  # verl's own micro-batches, each forwarded twice
     verl_metrics.report(None, **counts)
     for name, value in counts.items():
         output["metrics"][verl_metrics.PREFIX + name] = [value]
     return output
-
-
-def _static_multiple(keep: Any, mask: Any, data: Any) -> Any:
-    """Static batching asserts rows % micro_batch_size_per_gpu == 0: pad with more zero rows
-    (shortest first, weight 0: their loss is exactly 0), the same count on every rank."""
-    import torch
-    from verl.utils import tensordict_utils as tu
-
-    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-        return keep
-    size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
-    rows = int(mask.shape[0])
-    target = min(round_up(keep.numel(), size), rows)
-    if target == keep.numel():
-        return keep
-    taken = torch.zeros(rows, dtype=torch.bool)
-    taken[keep] = True
-    free = torch.nonzero(~taken).flatten()
-    lengths = mask.to(torch.float64).sum(-1).cpu()[free]
-    extra = free[torch.sort(lengths, stable=True).indices][: target - int(keep.numel())]
-    return torch.sort(torch.cat([keep, extra])).values

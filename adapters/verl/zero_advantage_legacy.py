@@ -180,6 +180,7 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         tokens_dropped=update.tokens_dropped // per_epoch,
         padding_rows=update.padding_rows // per_epoch,
         padding_tokens_skipped=update.padding_tokens_skipped,  # every epoch's forwards
+        microbatches_dropped=update.micro_batches_unfiltered - update.micro_batches,  # every epoch's calls
     )
     return out
 
@@ -189,7 +190,7 @@ def _packed_update(wrapped: Callable[..., Any], call: Any, instance: Any, data: 
     filtered, sizes = _plan(instance, data, update)
     plan = state.SplitPlan(meta=filtered.meta_info, total=len(filtered), split_size=instance.config.ppo_mini_batch_size,
                            sizes=sizes, consumed=len(sizes) == 1)  # one mini-batch: verl's own split gives it
-    original = _original_micro_batches(instance, data)
+    original = update.micro_batches_unfiltered = _original_micro_batches(instance, data)
     with state.in_update(zero_advantage=update, split_plan=plan):
         out = call.call(wrapped, data=filtered)
     if not plan.consumed:

@@ -26,8 +26,10 @@ except metadata.PackageNotFoundError:  # the main suite: every verl test skips
 
 PROMPT, RESPONSE, VOCAB, ROWS = 6, 8, 256, 16
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-#: Rows with advantage exactly 0: a block (whole micro-batches are zero) or spread over all of them.
-ZERO_ROWS = {"grouped": tuple(range(4, 12)), "interleaved": (1, 2, 4, 5, 9, 10, 11, 14)}
+#: Rows with advantage exactly 0: a block (whole micro-batches are zero) or spread over all of them;
+#: ``sparse``: 11 of 16 (kept rows 0, 3, 6, 9, 13: counts that are no multiple of a micro-batch size).
+ZERO_ROWS = {"grouped": tuple(range(4, 12)), "interleaved": (1, 2, 4, 5, 9, 10, 11, 14),
+             "sparse": (1, 2, 4, 5, 7, 8, 10, 11, 12, 14, 15)}
 
 
 def line() -> str | None:

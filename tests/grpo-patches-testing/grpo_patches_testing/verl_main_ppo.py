@@ -153,6 +153,7 @@ class Run:
     status: dict = field(default_factory=dict)  # grpo_patches.status()["verl"] from the training worker
     peak_rss_mb: float = 0.0  # the training worker's
     policy_tokens: int = 0  # token positions through the actor's forwards with gradients (the training worker's)
+    policy_calls: int = 0  # those forwards (each one forward/backward micro-batch)
     weights: dict = field(default_factory=dict)  # the actor's final weights
     seconds: float = 0.0
     log: str = ""
@@ -236,6 +237,7 @@ def train(assets: Assets, cluster: RayCluster, out: str | os.PathLike, *, v1: bo
         raise RuntimeError(f"expected one training worker's status and weights in {out}: {statuses} {weights}")
     report = json.loads(Path(statuses[0]).read_text())
     run.status, run.peak_rss_mb, run.policy_tokens = report["status"], report["peak_rss_mb"], report["policy_tokens"]
+    run.policy_calls = report.get("policy_calls", 0)
     import torch
 
     run.weights = torch.load(weights[0])

@@ -14,7 +14,8 @@ shim exists because verl 0.9 has no CPU path for it:
 * the stand-in rollout (:mod:`verl_main_ppo_rollout`), registered by name in verl's two rollout
   registries when verl imports them;
 * ``GRPO_E2E_OUT``: after each actor update the worker writes ``grpo_patches.status()``, its peak
-  RSS, the token positions its actor forwards with gradients took (``policy_tokens``) and its
+  RSS, the token positions its actor forwards with gradients took (``policy_tokens``), how many
+  such forwards ran (``policy_calls``) and its
   weights there, so the test reads what ran in the process that trained (not the
   driver's view).
 """
@@ -80,8 +81,9 @@ def _register_replica(module) -> None:
     module.RolloutReplicaRegistry.register(NAME, load)
 
 
-#: Token positions (``input_ids.numel()``) through the actor's forwards with gradients in this process.
+#: Token positions (``input_ids.numel()``) through the actor's forwards with gradients in this process, and those forwards.
 _POLICY_TOKENS = [0]
+_POLICY_CALLS = [0]
 
 
 def _count_policy_tokens(module, args, kwargs) -> None:
@@ -90,6 +92,7 @@ def _count_policy_tokens(module, args, kwargs) -> None:
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is not None and torch.is_grad_enabled():
         _POLICY_TOKENS[0] += int(ids.numel())
+        _POLICY_CALLS[0] += 1
 
 
 def _dump_after_update(wrapped, instance, args, kwargs):
@@ -110,7 +113,7 @@ def _dump_after_update(wrapped, instance, args, kwargs):
         os.makedirs(out, exist_ok=True)
         report = {"status": grpo_patches.status().get("verl", {}),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "policy_tokens": _POLICY_TOKENS[0]}
+                  "policy_tokens": _POLICY_TOKENS[0], "policy_calls": _POLICY_CALLS[0]}
         with open(os.path.join(out, f"worker-{os.getpid()}.json"), "w") as f:
             json.dump(report, f, default=str)
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()

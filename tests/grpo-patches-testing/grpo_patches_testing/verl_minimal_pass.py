@@ -47,7 +47,8 @@ class Group:
             from tensordict.tensorclass import NonTensorData
             from verl.utils import tensordict_utils as tu
 
-            tu.assign_non_tensor(data, micro_batch_size_per_gpu=4, max_token_len_per_gpu=40,
+            sizes = {"micro_batch_size_per_gpu": 4, "max_token_len_per_gpu": 40}  # as infer_batch: a size given stays
+            tu.assign_non_tensor(data, **{k: v for k, v in sizes.items() if k not in data.keys()},
                                  global_token_num=NonTensorData(data["input_ids"].offsets().diff().tolist()))
             return self.actor.worker.infer_batch(data)
         from verl import DataProto

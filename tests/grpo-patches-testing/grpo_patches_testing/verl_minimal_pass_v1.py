@@ -86,8 +86,9 @@ class Group:
         assert len(meta) % self.world_size == 0, f"{len(meta)} rows do not chunk over {self.world_size} ranks"
         self.rows += len(meta)
         td = self._td(meta, self.store.inputs)
-        tu.assign_non_tensor(td, micro_batch_size_per_gpu=4, max_token_len_per_gpu=40,  # the rollout.log_prob_* sizes
-                             global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()))
+        sizes = {"micro_batch_size_per_gpu": 4, "max_token_len_per_gpu": 40}  # the rollout.log_prob_* sizes
+        tu.assign_non_tensor(td, **{k: v for k, v in sizes.items() if k not in td.keys()},  # as infer_batch: a size
+                             global_token_num=NonTensorData(td["input_ids"].offsets().diff().tolist()))  # given stays
         out = self.worker.worker.infer_batch(td)
         self.store.kv_batch_put(meta.keys, meta.partition_id, fields=out.select(*_PASS_OUTPUTS))
         return meta
