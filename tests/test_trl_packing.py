@@ -42,11 +42,11 @@ def test_packing_gives_the_same_gradient_with_fewer_calls(loss_type):
     for step, (a, b) in enumerate(zip(got_grads, ref_grads)):
         assert rel_l2(a, b) <= 1e-6, (step, rel_l2(a, b))
     saved = got.savings
-    assert saved["micro_batches_skipped"] > 0
+    assert saved["micro_batches_dropped"] > 0
     assert got.notes()["pack_kept_rows"].startswith("on")
     # the skipped micro-steps ran no policy forward: kept rows only, in fewer calls
     assert got.forwards.with_grad == ref.forwards.with_grad - saved["rows_dropped"]
-    assert got.forwards.with_grad_calls == ref.forwards.with_grad_calls - saved["micro_batches_skipped"]
+    assert got.forwards.with_grad_calls == ref.forwards.with_grad_calls - saved["micro_batches_dropped"]
     print(f"{loss_type}: calls {ref.forwards.with_grad_calls} -> {got.forwards.with_grad_calls}, rows "
           f"{ref.forwards.with_grad} -> {got.forwards.with_grad}, grad rel "
           f"{max(rel_l2(a, b) for a, b in zip(got_grads, ref_grads)):.1e}")
@@ -57,7 +57,7 @@ def test_bnpo_is_not_packed_under_auto_and_refused_under_true():
 
     got, _ = _run("auto", loss_type="bnpo", steps=1)
     assert got.notes()["pack_kept_rows"].startswith("off") and "bnpo" in got.notes()["pack_kept_rows"]
-    assert "micro_batches_skipped" not in got.savings or not got.savings["micro_batches_skipped"]
+    assert "micro_batches_dropped" not in got.savings or not got.savings["micro_batches_dropped"]
     with pytest.raises(IncompatibleOptionsError, match="pack_kept_rows"):
         _run(True, loss_type="bnpo", steps=1)
 
@@ -114,7 +114,7 @@ def test_windows_cut_by_rollouts_and_iterations_stay_exact():
     got, got_grads = _run(True, **overrides)
     assert len(ref_grads) == len(got_grads) == 3
     assert max(rel_l2(a, b) for a, b in zip(got_grads, ref_grads)) <= 1e-6
-    assert got.savings["micro_batches_skipped"] > 0
+    assert got.savings["micro_batches_dropped"] > 0
 
 
 def test_loss_is_logged_as_before_and_per_micro_batch_means_are_not():
@@ -123,7 +123,7 @@ def test_loss_is_logged_as_before_and_per_micro_batch_means_are_not():
     assert got.metrics("loss") == pytest.approx(ref.metrics("loss"), rel=1e-5, abs=1e-7)  # on-policy: ~0
     assert ref.metrics("clip_ratio/region_mean") and not got.metrics("clip_ratio/region_mean")
     assert "pack_kept_rows" in got.notes()["metric clip_ratio/region_mean"]
-    assert got.metrics("grpo_patches/micro_batches_skipped")
+    assert got.metrics("grpo_patches/micro_batches_dropped")
 
 
 def test_verify_steps_check_the_dealt_micro_batches_and_catch_a_bad_deal(monkeypatch):
@@ -133,7 +133,7 @@ def test_verify_steps_check_the_dealt_micro_batches_and_catch_a_bad_deal(monkeyp
     options = dict(ONLY_FILTER, pack_kept_rows=True, verify_every=1)
     result = train(True, options, **{**CONFIG, "steps": 1})
     assert result.status["verify"]["steps_verified"] == 1 and not result.status["verify"]["failures"]
-    assert result.savings["micro_batches_skipped"] > 0
+    assert result.savings["micro_batches_dropped"] > 0
     monkeypatch.setattr(packing, "_order", _kept_row_dealt_into_a_skipped_micro_batch(packing._order))
     with pytest.raises(ExactnessError) as err:
         train(True, options, **{**CONFIG, "steps": 1})
@@ -142,7 +142,7 @@ def test_verify_steps_check_the_dealt_micro_batches_and_catch_a_bad_deal(monkeyp
 
 def test_one_micro_batch_per_window_changes_nothing():
     got, _ = _run(True, gradient_accumulation_steps=1, steps_per_generation=4, steps=2)
-    assert not got.savings.get("micro_batches_skipped") and got.savings["rows_dropped"] > 0
+    assert not got.savings.get("micro_batches_dropped") and got.savings["rows_dropped"] > 0
 
 
 def test_packing_with_every_default_optimization_stays_exact():
@@ -153,7 +153,7 @@ def test_packing_with_every_default_optimization_stays_exact():
     grads = Gradients()
     got = train(True, {"pack_kept_rows": True}, callbacks=[grads.callback], **{**CONFIG, **overrides})
     assert max(rel_l2(a, b) for a, b in zip(grads.steps, ref_grads)) <= 1e-6
-    assert got.savings["micro_batches_skipped"] > 0 and got.savings["old_logprob_rows_skipped"] > 0
+    assert got.savings["micro_batches_dropped"] > 0 and got.savings["old_logprob_rows_skipped"] > 0
 
 
 def test_bf16_packing_stays_within_upstreams_own_rebatching_noise():
@@ -182,5 +182,5 @@ def test_packing_with_the_tiled_loss_stays_exact():
     got = train(True, dict(ONLY_FILTER, pack_kept_rows=True, tiled_loss=True), callbacks=[grads.callback],
                 **{**CONFIG, **overrides})
     assert max(rel_l2(a, b) for a, b in zip(grads.steps, ref_grads)) <= 1e-5
-    assert got.savings["micro_batches_skipped"] > 0 and got.notes()["tiled_loss"].startswith("on")
-    assert got.forwards.with_grad_calls == ref.forwards.with_grad_calls - got.savings["micro_batches_skipped"]
+    assert got.savings["micro_batches_dropped"] > 0 and got.notes()["tiled_loss"].startswith("on")
+    assert got.forwards.with_grad_calls == ref.forwards.with_grad_calls - got.savings["micro_batches_dropped"]

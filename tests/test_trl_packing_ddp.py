@@ -35,7 +35,7 @@ def _worker(rank: int, port: int, out_dir: str, model_path: str) -> None:
         result = train(patched, OPTIONS if patched else None, model_path=model_path, callbacks=[grads.callback],
                        reward_funcs=tiny_model.reward_constant_per_prompt, **CONFIG)
         out[name] = {"grads": grads.steps, "calls": result.forwards.with_grad_calls,
-                     "skipped": result.savings.get("micro_batches_skipped", 0),
+                     "skipped": result.savings.get("micro_batches_dropped", 0),
                      "rows_dropped": result.savings.get("rows_dropped", 0)}
     finish_rank(out_dir, rank, out)
 

@@ -182,7 +182,7 @@ def test_two_mini_batches_run_the_minimal_pass(cluster, assets, tmp_path_factory
         assert m["actor/grpo_patches/old_log_probs_substituted"] == 1.0
     assert worker_status(got)["savings"]["old_logprob_substituted_updates"] == e2e.STEPS
     # the kept rows in fewer forward/backward calls (micro-batches of 4 rows, 8 rows per mini-batch), counted
-    saved = worker_status(got)["savings"].get("microbatches_dropped", 0)
+    saved = worker_status(got)["savings"].get("micro_batches_dropped", 0)
     assert 0 < saved == ref.policy_calls - got.policy_calls, (saved, ref.policy_calls, got.policy_calls)
     record_property(f"e2e_{trainer}_policy_calls", [ref.policy_calls, got.policy_calls])
     record_property(f"e2e_{trainer}_old_logprob_rows_skipped", sum(skipped))

@@ -63,7 +63,7 @@ def test_filter_is_exact_and_skips_the_dropped_rows(workers, agg, dynamic, n_min
     assert len(ref.grads) == n_mini and err <= TOL, err
     assert ref.grad_rows == h.ROWS and got.grad_rows == KEPT  # dropped rows: no forward, no backward
     assert got.nograd_rows == 0 and got.forwards < ref.forwards
-    rows, calls = got.metrics["grpo_patches/rows_dropped"], got.metrics["grpo_patches/microbatches_dropped"]
+    rows, calls = got.metrics["grpo_patches/rows_dropped"], got.metrics["grpo_patches/micro_batches_dropped"]
     assert (sum(rows) if isinstance(rows, list) else rows) == h.ROWS - KEPT
     assert (sum(calls) if isinstance(calls, list) else calls) == ref.forwards - got.forwards  # the calls saved
 
@@ -150,9 +150,9 @@ def test_kept_rows_fill_as_few_micro_batches_as_they_need(pack_worker, agg, n_mi
     calls, rows = packed_shape(n_mini)
     assert (ref.forwards, ref.grad_rows) == (h.ROWS // PACK_MBS, h.ROWS)
     assert (got.forwards, got.grad_rows) == (calls, rows), (got.forwards, got.grad_rows)
-    assert sum(got.metrics["grpo_patches/microbatches_dropped"]) == ref.forwards - got.forwards
+    assert sum(got.metrics["grpo_patches/micro_batches_dropped"]) == ref.forwards - got.forwards
     assert sum(got.metrics["grpo_patches/padding_rows"]) == rows - (h.ROWS - len(h.ZERO_ROWS["sparse"]))
-    assert got.status["savings"].get("microbatches_dropped", 0) == ref.forwards - got.forwards
+    assert got.status["savings"].get("micro_batches_dropped", 0) == ref.forwards - got.forwards
 
 
 def test_dynamic_batching_packs_the_kept_rows_by_tokens(workers, record_property):
@@ -163,7 +163,7 @@ def test_dynamic_batching_packs_the_kept_rows_by_tokens(workers, record_property
     record_property("exact_filter_packed_grad_rel_ws1", err)
     assert err <= TOL and got.forwards < ref.forwards and got.grad_rows == h.ROWS - len(h.ZERO_ROWS["sparse"])
     if not LEGACY:
-        assert got.metrics["grpo_patches/microbatches_dropped"] == [ref.forwards - got.forwards]
+        assert got.metrics["grpo_patches/micro_batches_dropped"] == [ref.forwards - got.forwards]
 
 
 def test_a_micro_batch_size_in_a_denominator_is_detected(pack_worker, monkeypatch):

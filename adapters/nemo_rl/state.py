@@ -77,7 +77,7 @@ METRIC_PREFIX = "grpo_patches/"
 #: Set by a v0.5 / v0.6 worker's loss when it used the current log-probs as prev (:mod:`.loss_call`).
 PREV_MARKER = METRIC_PREFIX + "prev_logprobs_from_current"
 #: The zero-advantage filter's counters (``grpo_patches/<name>`` in the metrics).
-COUNTERS = ("rows_dropped", "tokens_dropped", "microbatches_dropped", "padding_tokens_skipped")
+COUNTERS = ("rows_dropped", "tokens_dropped", "micro_batches_dropped", "padding_tokens_skipped")
 
 
 @dataclass
@@ -138,7 +138,7 @@ class LoopCall:
 class GlobalBatchFilter:
     """The zero-advantage filter's plan for one local global batch (worker side).
 
-    :ivar rows_dropped, tokens_dropped, microbatches_dropped, padding_tokens_skipped: saved on this
+    :ivar rows_dropped, tokens_dropped, micro_batches_dropped, padding_tokens_skipped: saved on this
         rank (rows and tokens out of the forward and backward, passes, padding cut by :mod:`.trim`).
     :ivar kept_seqs, kept_toks: rows / loss tokens that ran, over every DP rank (the
         denominators of the ``/kept_rows`` metrics).
@@ -153,7 +153,7 @@ class GlobalBatchFilter:
 
     rows_dropped: int
     tokens_dropped: int
-    microbatches_dropped: int
+    micro_batches_dropped: int
     kept_seqs: float
     kept_toks: float
     padding_tokens_skipped: int = 0
@@ -178,7 +178,7 @@ class TrainCall:
     :ivar tiled_on: the tiled lm-head loss computes this call's loss (:mod:`.tiled`).
     :ivar counters_in_loss: v0.5.0: the filter's counters ride on the loss metrics (no end-of-call hook).
     :ivar current: the filter's plan of the global batch being trained.
-    :ivar rows_dropped, tokens_dropped, microbatches_dropped, padding_tokens_skipped: totals over the call.
+    :ivar rows_dropped, tokens_dropped, micro_batches_dropped, padding_tokens_skipped: totals over the call.
     Verify mode (:mod:`.verify`): :ivar remake: NeMo-RL's ``get_microbatch_iterator`` of the global
     batch, called again (``rebatch``: one row per micro-batch; ``None`` with sequence packing);
     :ivar prev_diff, reference_diff: the largest ``|current - prev|`` the loss calls saw, the largest
@@ -195,7 +195,7 @@ class TrainCall:
     current: GlobalBatchFilter | None = None
     rows_dropped: int = 0
     tokens_dropped: int = 0
-    microbatches_dropped: int = 0
+    micro_batches_dropped: int = 0
     padding_tokens_skipped: int = 0
     remake: Any = None
     rebatch: Any = None

@@ -164,7 +164,7 @@ def plan(data: Any, loss_fn: Any, mbs: int, dynamic: bool, group: Any, metrics_f
     own = GlobalBatchFilter(
         rows_dropped=len(dropped),
         tokens_dropped=int(sum(counts[i] for i in dropped)),
-        microbatches_dropped=upstream - len(layout.microbatches),
+        micro_batches_dropped=upstream - len(layout.microbatches),
         padding_tokens_skipped=kept_cut + drop_cut,
         kept_seqs=seqs,
         kept_toks=toks,

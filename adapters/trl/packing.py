@@ -14,7 +14,7 @@ buffer) before TRL serves them:
   the same calls), topped up with zero-advantage rows to the original size;
 * the first ``n - C`` micro-batches hold zero-advantage rows only: the filter
   (:mod:`.zero_advantage`) gives them no forward and no backward (:func:`skipped`), counted as
-  ``micro_batches_skipped``.
+  ``micro_batches_dropped``.
 
 Every micro-batch keeps its size and every row all its columns, so a row's loss weight is the
 one it had: exact for the denominators that do not depend on which rows share a micro-batch
@@ -45,7 +45,7 @@ from .accumulation_window import window_index, window_length
 from .loss_modes import loss_mask
 from .row_subsets import is_multimodal
 
-from .skipped_micro_batches import NOTE
+from .dropped_micro_batches import NOTE
 #: Denominators under which moving a row to another micro-batch of the same size keeps its weight.
 EXACT_DENOMINATORS = ("fixed", "rows")
 #: Accelerate distributed types whose micro-steps may skip their backward (DDP reduces in the

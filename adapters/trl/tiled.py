@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 from grpo_patches.call_args import bind
 
-from . import FRAMEWORK, metrics, overrides, placeholders, skipped_micro_batches, state
+from . import FRAMEWORK, dropped_micro_batches, metrics, overrides, placeholders, state
 from .loss_modes import LOSS_TYPES, loss_mask
 from .tiled_options import logit_transform, loss_options
 
@@ -168,13 +168,13 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     if not FRAMEWORK.on("tiled_loss") or not decide(instance):  # verification may switch it off
         return wrapped(*args, **kwargs)
     arguments = bind(wrapped, args, kwargs)
-    if FRAMEWORK.on("pack_kept_rows") and skipped_micro_batches.skipped(instance, arguments["inputs"]):
+    if FRAMEWORK.on("pack_kept_rows") and dropped_micro_batches.skipped(instance, arguments["inputs"]):
         return wrapped(*args, **kwargs)  # no kept row: the filter inside answers it without a forward
     # the deferred pass's placeholders of zero-advantage rows (the filter inside judges the others)
     inputs = placeholders.guard(arguments["inputs"], strict=False)
     with state.LOSS.joined(state.LossCall) as call:
         call.tiled = make_tiled_rows(inputs)
-        call.packed = skipped_micro_batches.dealt(instance, arguments["inputs"])
+        call.packed = dropped_micro_batches.dealt(instance, arguments["inputs"])
         loss = arguments.call(wrapped, inputs=inputs)  # TRL's value; its policy terms carry no gradient
         if call.tiled_loss is None:
             raise RuntimeError(

@@ -38,7 +38,7 @@ from grpo_patches.call_args import bind
 from grpo_patches.errors import OptionError
 from grpo_patches.zero_advantage import filter_problems
 
-from . import FRAMEWORK, metrics, placeholders, skipped_micro_batches, state
+from . import FRAMEWORK, dropped_micro_batches, metrics, placeholders, state
 from .loss_modes import UnknownObjective, loss_mask, objective_of
 from .row_subsets import is_multimodal
 from .version import multimodal_rows_supported
@@ -88,8 +88,8 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         return wrapped(*args, **kwargs)
     arguments = bind(wrapped, args, kwargs)
     inputs = arguments["inputs"]
-    if FRAMEWORK.on("pack_kept_rows") and skipped_micro_batches.skipped(instance, inputs):  # its kept rows are elsewhere
-        return skipped_micro_batches.skip(instance, inputs)
+    if FRAMEWORK.on("pack_kept_rows") and dropped_micro_batches.skipped(instance, inputs):  # its kept rows are elsewhere
+        return dropped_micro_batches.skip(instance, inputs)
     if not FRAMEWORK.on("zero_advantage_filter") or not decide(instance):
         # off (verification may switch it off mid-run): every row is read, no placeholder may be
         return arguments.call(wrapped, inputs=placeholders.guard(inputs))
@@ -115,7 +115,7 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
         # the gradient comparison to catch, and the patched result is then not used)
         inputs = placeholders.guard(inputs, read=plan.keep, strict=not call.verifying)
         call.keep, call.dropped_forward = plan.keep, with_metrics
-        call.packed = call.packed or skipped_micro_batches.dealt(instance, arguments["inputs"])
+        call.packed = call.packed or dropped_micro_batches.dealt(instance, arguments["inputs"])
         call.always_split = distributed and with_metrics
         call.fill_logps = inputs.get(placeholders.KEY)
         loss = arguments.call(wrapped, inputs=inputs)

@@ -13,7 +13,7 @@ a micro-batch size of their own: :mod:`.packing_engine`) and a loss function tha
 unfiltered ``batch_num_tokens`` to each micro-batch before ``ppo_loss`` reads it. verl then
 makes fewer, smaller micro-batches itself (and syncs the dynamic count over DP): dropped rows cost
 no forward and no backward. The mini-batch, the optimizer step and ``global_batch_size`` are
-untouched. ``grpo_patches/microbatches_dropped`` counts the forward/backward calls saved.
+untouched. ``grpo_patches/micro_batches_dropped`` counts the forward/backward calls saved.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     dropped_rows = torch.ones(rows, dtype=torch.bool)
     dropped_rows[keep] = False
     counts = dict(rows_dropped=dropped, tokens_dropped=int(active.cpu()[dropped_rows].sum()), padding_rows=padding,
-                  microbatches_dropped=upstream - calls[0])
+                  micro_batches_dropped=upstream - calls[0])
     per_mini_batch = {name: [value] for name, value in counts.items()}
     verl_metrics.report(None, **counts)
     for name, value in per_mini_batch.items():
@@ -136,7 +136,7 @@ def _nograd_update(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
     with state.in_update(zero_advantage=update):
         output = wrapped(*args, **kwargs)
     counts = dict(rows_dropped=update.rows_in - update.grad_rows, tokens_dropped=update.tokens_dropped, padding_rows=0,
-                  microbatches_dropped=0)  # verl's own micro-batches, each forwarded twice
+                  micro_batches_dropped=0)  # verl's own micro-batches, each forwarded twice
     verl_metrics.report(None, **counts)
     for name, value in counts.items():
         output["metrics"][verl_metrics.PREFIX + name] = [value]

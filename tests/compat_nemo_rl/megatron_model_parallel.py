@@ -109,5 +109,5 @@ def _train(rank: int, port: int, topology: str) -> dict:
             "plan": patched["forwards"], "microbatches_base": len(base["forwards"]),
             "loss_base": loss_base, "loss_patched": sum(patched["metrics"]["loss"]),
             "rows_dropped": patched["metrics"]["grpo_patches/rows_dropped"],
-            "microbatches_dropped": patched["metrics"]["grpo_patches/microbatches_dropped"],
+            "micro_batches_dropped": patched["metrics"]["grpo_patches/micro_batches_dropped"],
             "logprobs_equal": bool(torch.equal(patched_logprobs, base_logprobs))}

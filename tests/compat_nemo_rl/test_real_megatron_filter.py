@@ -153,7 +153,7 @@ def test_filter_gradients_equal_unpatched_with_fewer_rows(unpatched, enabled, to
     assert len(unpatched.metrics["loss"]) == 6 and len(patched.metrics["loss"]) == 4  # 3 -> 2 micro-batches each
     assert abs(sum(patched.metrics["loss"]) - sum(unpatched.metrics["loss"])) <= tolerance.loss
     assert patched.metrics["grpo_patches/rows_dropped"] == [float(len(ZERO_ROWS))]
-    assert patched.metrics["grpo_patches/microbatches_dropped"] == [2.0]
+    assert patched.metrics["grpo_patches/micro_batches_dropped"] == [2.0]
     assert grpo_patches.status()["nemo_rl"]["notes"]["zero_advantage_filter"].startswith("on")
 
 

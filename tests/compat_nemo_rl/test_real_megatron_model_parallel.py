@@ -56,7 +56,7 @@ def test_filter_exact_with_the_same_plan_on_both_ranks(topology, record_property
         assert rank["rows_base"] == 12 and rank["rows_patched"] == ROWS_PATCHED[topology], rank
         assert rank["microbatches_base"] == 6 and len(rank["plan"]) == 4, rank
         assert abs(rank["loss_patched"] - rank["loss_base"]) <= rank["loss_tol"], rank  # fp32: 1e-6
-        assert rank["rows_dropped"] == [float(len(ZERO_ROWS))] and rank["microbatches_dropped"] == [2.0], rank
+        assert rank["rows_dropped"] == [float(len(ZERO_ROWS))] and rank["micro_batches_dropped"] == [2.0], rank
         assert rank["logprobs_equal"], rank
     assert results[0]["plan"] == results[1]["plan"]  # every TP rank / pipeline stage ran the same micro-batches
     record_property(f"saved_megatron_filter_{topology}_autograd_rows", results[0]["rows_base"] - results[0]["rows_patched"])

@@ -41,13 +41,13 @@ def skip(trainer: Any, inputs: Mapping[str, Any]) -> Any:
     mask = loss_mask(inputs)
     rows = int(mask.shape[0])
     metrics.report(trainer, rows_dropped=rows, tokens_dropped=int(mask.sum()), forward_rows_skipped=rows,
-                   micro_batches_skipped=1)
+                   micro_batches_dropped=1)
     _note(trainer)
     return torch.zeros((), device=mask.device, requires_grad=True)
 
 
 def _note(trainer: Any) -> None:
-    skipped_count = int(metrics.count_total(trainer, "micro_batches_skipped"))
+    skipped_count = int(metrics.count_total(trainer, "micro_batches_dropped"))
     FRAMEWORK.note(NOTE, f"on: kept rows dealt into full micro-batches; {skipped_count} micro-batches "
                    "without a kept row skipped so far (no forward, no backward); TRL's clip fractions "
                    "(per-micro-batch means) are not logged", owner=trainer)
