@@ -268,14 +268,17 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
         prev_pass = result.scalars.get("timing/train/get_logprobs/shard_data", {})  # NeMo-RL times each pass it runs
         reference = [k for k in result.scalars if k.startswith("timing/train/") and "reference_policy_logprobs" in k
                      and "policy_and_reference" not in k]
+        skipped = int(sum(sum(result.step_values(k)) for k in result.scalars if k.endswith(ROWS_SKIPPED)))
+        # rows the pass computed: NeMo-RL's own passes, or (its pass deferred into the training worker,
+        # NeMo-RL timing none) the rows of every step's pass less the ones the adapter skipped
+        passes = len(prev_pass) or (shape.steps if skipped else 0)
         return {"version": str(registry.get("nemo_rl").installed_version()),
                 "line": f"{tag} examples/run_grpo.py (Ray)", "steps": steps, "old_logprob_passes": len(prev_pass),
                 "reference_passes": max((len(result.scalars[k]) for k in reference), default=0),
                 "rows_dropped": int(sum(result.step_values("train/grpo_patches/rows_dropped"))),
                 "rows_total": shape.rows * shape.steps, "peak_rss_mb": result.worker[-1]["peak_rss_mb"],
-                "old_logprob_rows": shape.rows * len(prev_pass),
-                "old_logprob_rows_skipped": int(sum(sum(result.step_values(k)) for k in result.scalars
-                                                    if k.endswith(ROWS_SKIPPED))),
+                "old_logprob_rows": shape.rows * passes - skipped, "old_logprob_rows_net": True,
+                "old_logprob_rows_skipped": skipped,
                 "verify_figures": {k.split("/", 1)[1]: max(result.step_values(k)) for k in result.scalars
                                    if k.startswith("train/" + VERIFY_PREFIX)}}
     finally:
