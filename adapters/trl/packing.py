@@ -135,11 +135,11 @@ def _segment(trainer: Any, step: int, current: Mapping[str, Any]) -> Segment:
     if any(is_multimodal(batch) for batch in batches):
         FRAMEWORK.note(NOTE, "multimodal micro-batches are not packed", owner=trainer)
         return plain
-    layout = _layout(batches)
-    if layout is None:
+    size = _layout(batches)
+    if size is None:
         FRAMEWORK.note(NOTE, "micro-batches of unequal size or layout are not packed", owner=trainer)
         return plain
-    kept, size = _kept_rows(trainer, batches), layout
+    kept = _kept_rows(trainer, batches, size)
     calls = max(1, -(-_most_over_ranks(trainer, sum(len(rows) for rows in kept)) // size))
     if calls >= len(batches):
         return plain
@@ -178,19 +178,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _kept_rows(trainer: Any, batches: list) -> list[list[int]]:
-    """Per micro-batch, the rows the hook keeps for their gradient (weight != 0)."""
+def _kept_rows(trainer: Any, batches: list, size: int) -> list[list[int]]:
+    """Per micro-batch, the rows the hook keeps for their gradient (weight != 0): asked once for
+    the whole segment (one collective and one host read per window, not one per micro-batch;
+    a row's decision reads its own advantages only, and rows kept to align ranks weigh 0)."""
+    import torch
+
     from grpo_patches.plugins import hook
 
-    denominator = state.of(trainer).objective.denominator
-    out = []
-    for batch in batches:
-        plan = hook().grpo_filter_zero_advantage(advantages=batch["advantages"], mask=loss_mask(batch),
-                                                 denominator=denominator, group=None)
-        if plan is None:
-            out.append(list(range(len(batch["advantages"]))))
-        else:
-            out.append(plan.keep[plan.weights.to(plan.keep.device) != 0].tolist())
+    advantages = torch.cat([batch["advantages"] for batch in batches])
+    plan = hook().grpo_filter_zero_advantage(advantages=advantages, mask=torch.cat([loss_mask(b) for b in batches]),
+                                             denominator=state.of(trainer).objective.denominator, group=None)
+    rows = range(len(advantages)) if plan is None else plan.keep[plan.weights.to(plan.keep.device) != 0].tolist()
+    out: list[list[int]] = [[] for _ in batches]
+    for row in rows:
+        out[row // size].append(row % size)
     return out
 
 
@@ -221,11 +223,13 @@ def _deal(batches: list, order: list[tuple[int, int]], size: int) -> list[dict]:
     import torch
 
     flat = [b * size + r for b, r in order]
+    index: dict[Any, Any] = {}  # one index tensor per device
     out: list[dict] = [{} for _ in batches]
     for name, first in batches[0].items():
         if isinstance(first, torch.Tensor) and first.dim() > 0:
-            whole = torch.cat([batch[name] for batch in batches]).index_select(
-                0, torch.tensor(flat, device=first.device))
+            if first.device not in index:
+                index[first.device] = torch.tensor(flat, device=first.device)
+            whole = torch.cat([batch[name] for batch in batches]).index_select(0, index[first.device])
             parts: list = list(whole.split(size))
         elif isinstance(first, list):
             whole_list = [item for batch in batches for item in batch[name]]
