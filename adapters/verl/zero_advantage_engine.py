@@ -90,12 +90,14 @@ def forward_backward_batch(wrapped: Callable[..., Any], instance: Any, args: tup
     keep, size = packing_engine.packed_rows(plan.keep.cpu(), mask, data)
     padding = plan.padding_rows + int(keep.numel()) - plan.rows_kept
     dropped = rows - int(keep.numel())
-    upstream = packing_engine.micro_batch_count(instance, data)  # the calls verl would run unfiltered
     calls = [0]
+    # nothing dropped: verl's own micro-batches, and no count of them (under dynamic batching the
+    # count costs a planning pass and an all-reduce: only where calls were saved)
     if dropped == 0:
         output = wrapped(*args, **kwargs)
-        calls[0] = upstream
+        upstream = 0
     else:
+        upstream = packing_engine.micro_batch_count(instance, data)  # the calls verl would run unfiltered
         filtered = tu.index_select_tensor_dict(data, keep)
         if size is not None:
             tu.assign_non_tensor(filtered, micro_batch_size_per_gpu=size)
