@@ -4,8 +4,8 @@ A patch that wraps a method a subclass overrides never runs for it, and one that
 loss would reproduce the wrong one. Checked here: the zero-advantage filter runs exactly for
 GMPO (its objective is known), the tiled loss refuses GMPO (``True``) or leaves it on TRL's
 path (``"auto"``), an unknown ``_compute_loss`` or policy forward switches the loss patches
-off for that class, an overridden ``training_step`` switches the exact recompute off, and
-``status()`` says per trainer class what ran. Tolerances as in ``test_trl_filter``.
+off for that class, an overridden ``training_step`` switches the exact recompute and
+``pack_kept_rows`` off, and ``status()`` says per trainer class what ran. Tolerances as in ``test_trl_filter``.
 """
 
 from __future__ import annotations
@@ -122,3 +122,21 @@ def test_an_overridden_training_step_leaves_the_recompute_to_trl():
     assert got.forwards.no_grad == ref.forwards.no_grad  # TRL's own old-logprob passes, all of them
     note = got.notes(qualified(klass))["old_logprob_pass"]
     assert note.startswith("TRL's own rule") and "OwnTrainingStep.training_step" in note
+
+
+
+def test_a_subclass_overriding_what_packing_deals_for_is_not_packed():
+    klass = USER()["OwnTrainingStep"]
+    window = dict(gradient_accumulation_steps=4, steps_per_generation=4, per_device_train_batch_size=2,
+                  num_prompts=8, loss_type="grpo")
+    filtered = run("OwnTrainingStep", tuple(ONLY_FILTER.items()), **window)
+    auto = run("OwnTrainingStep", tuple(dict(ONLY_FILTER, pack_kept_rows="auto").items()), **window)
+    assert filtered.same_weights(auto)
+    assert auto.forwards.with_grad == filtered.forwards.with_grad  # TRL's micro-batches, not re-dealt ones
+    note = auto.notes(qualified(klass))["pack_kept_rows"]
+    assert note.startswith("off") and "OwnTrainingStep.training_step" in note
+    built: list = []
+    with pytest.raises(IncompatibleOptionsError, match="pack_kept_rows=True.*OwnTrainingStep"):
+        train(True, dict(ONLY_FILTER, pack_kept_rows=True), trainer_class=klass, trainer_hook=built.append,
+              **{**COMMON, **window, "steps": 1})
+    assert built == []

@@ -24,6 +24,8 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "tiled_loss": ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies"),
     # verify mode's record: a micro-step's loss reaches it only through TRL's compute_loss
     "verify_every": ("compute_loss",),
+    # the buffered generation batch it re-deals, the micro-step order it deals for, the loss it skips
+    "pack_kept_rows": ("training_step", "_prepare_inputs", "_compute_loss"),
 }
 
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 from grpo_patches.errors import GrpoPatchesError
 
-from . import FRAMEWORK, state, zero_advantage
+from . import FRAMEWORK, overrides, state, zero_advantage
 from .accumulation_window import window_index, window_length
 from .loss_modes import loss_mask
 from .row_subsets import is_multimodal
@@ -90,7 +90,7 @@ def why_not(trainer: Any) -> str | None:
         return f"{kind}: a micro-step without a backward is not known to be safe there"
     if not isinstance(getattr(trainer, "_buffered_inputs", None), (list, type(None))):
         return "TRL's buffered generation batch is not a list here"
-    return None
+    return overrides.why_off(trainer, "pack_kept_rows")
 
 
 def decide(trainer: Any) -> bool:
