@@ -34,7 +34,10 @@ class EngineWorker:
     """One FSDP2 ``TrainingWorker`` reused across runs (its weights reset before each)."""
 
     def __init__(self, path: str, *, dynamic: bool = False, mbs: int = 2, max_tokens: int = 40, fused: bool = False,
-                 remove_padding: bool = False, dropout: float = 0.0, dtype: str = "fp32"):
+                 remove_padding: bool = False, dropout: float = 0.0, dtype: str = "fp32",
+                 compute_dtype: str | None = None):
+        """``dtype``: the weights' (and, unless ``compute_dtype`` says otherwise, FSDP2's compute)
+        dtype; ``compute_dtype="bf16"`` with ``dtype="fp32"`` is verl's default mixed precision."""
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import (FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig,
                                          TrainingWorkerConfig)
@@ -47,7 +50,8 @@ class EngineWorker:
                               override_config={"attn_implementation": "eager", "attention_dropout": dropout},
                               use_fused_kernels=fused, fused_kernel_options={"impl_backend": "torch"} if fused else {})
         engine = FSDPEngineConfig(strategy="fsdp2", model_dtype=dtype, use_torch_compile=False,
-                                  mixed_precision={"param_dtype": dtype, "reduce_dtype": dtype, "buffer_dtype": dtype},
+                                  mixed_precision={"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype,
+                                                   "buffer_dtype": dtype},
                                   use_dynamic_bsz=dynamic, micro_batch_size_per_gpu=mbs, max_token_len_per_gpu=max_tokens)
         optim = FSDPOptimizerConfig(lr=0.05, optimizer="SGD", weight_decay=0.0, clip_grad=1.0)
         self.worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model,
