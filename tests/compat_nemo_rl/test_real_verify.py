@@ -56,6 +56,11 @@ def test_bf16_is_held_to_the_measured_noise_floor(record_property):
 
 
 @needs_new
+def test_bf16_with_the_tiled_loss_is_no_false_alarm(record_property):
+    cases.bf16_tiled_is_no_false_alarm(TAG, harness.real_worker, record_property)
+
+
+@needs_new
 def test_a_faulty_filter_is_caught_on_the_first_verify_step():
     cases.faulty_filter_raises(TAG, harness.real_worker)
 

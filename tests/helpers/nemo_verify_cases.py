@@ -110,6 +110,28 @@ def bf16_is_held_to_the_noise_floor(tag: str, factory: Factory, record_property:
     assert caught.value.measured > caught.value.tolerance and caught.value.tolerance < eps_fallback
 
 
+
+def bf16_tiled_is_no_false_alarm(tag: str, factory: Factory, record_property: Callable) -> None:
+    """bf16 with the tiled loss (its head in fp32: it rounds less than NeMo-RL's bf16 logits, the
+    case of issue 33's false alarms in TRL): correct code stays well inside 10 x the measured
+    noise floor, and a head weight 5 % off is caught (``"disable"``: switched off, not raised)."""
+    from grpo_patches import verify
+    from tests.helpers.faulty_plugins import WrongTiledHead
+
+    half = functools.partial(factory, dtype=torch.bfloat16)
+    options = {"zero_advantage_filter": True, "tiled_loss": True, "verify_every": 1, "verify_action": "disable"}
+    batch = on_policy_batch(tag, half)
+    ratios = {}
+    for name, plugins in (("correct", ()), ("weight_5pct", (WrongTiledHead(weight=1.05),))):
+        got = train(tag, half, batch, options, gbs=6, mbs=2, plugins=plugins)
+        diff, floor = got.metrics[PREFIX + "grad_rel_diff"][0], got.metrics[verify.NOISE_METRIC][0]
+        ratios[name] = diff / verify.tolerance("nemo_rl", torch.bfloat16, floor)
+        record_property(f"bf16_tiled_verify_ratio_{name}", ratios[name])
+        failures = got.status["verify"]["failures"]
+        assert (failures == []) == (name == "correct"), (name, failures, ratios)
+    assert ratios["correct"] < 0.5 < 1.5 < ratios["weight_5pct"], ratios
+
+
 def faulty_filter_raises(tag: str, factory: Factory) -> None:
     plugin = DropsANonZeroRow()
     with past_the_contract(), pytest.raises(ExactnessError) as caught:
