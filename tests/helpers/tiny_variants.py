@@ -4,7 +4,9 @@
   model's logit scale, so a missing softcap moves the weights);
 - ``cohere2``: Cohere-2 with ``logit_scale`` 4.0;
 - ``qwen2_moe``: Qwen2-MoE (4 experts, top 2) with ``output_router_logits`` and a router aux
-  loss coefficient of 0.1 (TRL adds the aux loss to the loss).
+  loss coefficient of 0.1 (TRL adds the aux loss to the loss);
+- ``gpt_oss``: GPT-OSS (4 local experts, top 2, attention sinks, a sliding and a full layer), the
+  family of TRL's ``test_train[tiny-GptOssForCausalLM]``.
 
 Each is built once per process from a fixed seed (like :mod:`grpo_patches.demo.tiny_model`).
 """
@@ -35,6 +37,10 @@ def _config(kind: str, vocab: int) -> Any:
         return transformers.Qwen2MoeConfig(vocab_size=vocab, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                            output_router_logits=True, router_aux_loss_coef=0.1, **COMMON)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(vocab_size=vocab, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                         **COMMON)
     raise ValueError(f"unknown tiny variant {kind!r}")
 
 
