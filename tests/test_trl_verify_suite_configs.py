@@ -3,14 +3,13 @@
 TRL's tests download their models, so the suite itself cannot run here; its parameters can. Each
 case below is a test of TRL 1.16's ``tests/test_grpo_trainer.py`` that raised a false
 ``ExactnessError`` with the tiled loss in bf16 before the fp32 reference
-(``test_train_loss_types``, ``test_train[tiny-GptOssForCausalLM]``,
+(``test_train_loss_types``, ``test_train[tiny-GptOssForCausalLM]``, ``test_train_peft_model``,
 ``test_train_multiple_iterations``, ``test_entropy_bonus_scale``,
 ``test_train_with_entropy_filter``), with its GRPOConfig values (lr 0.1, 3 rows x 3 generations,
 GA 2, up to 32 tokens), on the tiny Qwen2 (or GPT-OSS) built in code, ``bf16=True`` on fp32 weights (autocast, as TRL's tests run on CPU), the
 tiled loss on, every step verified with ``"raise"``: no alarm, and the worst figure against its
 tolerance is recorded (``worst_over_tolerance``) next to the planted faults of
-``test_trl_verify_bf16.py`` (>= 1.9x). Not reproduced: ``test_train_peft_model`` (peft is not a
-dependency of this suite).
+``test_trl_verify_bf16.py`` (>= 1.9x). ``test_train_peft_model`` needs peft (in the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -55,9 +54,8 @@ def verified(case: str, options: dict | None = None, **extra):
                  **{**SUITE, **config}, **extra)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_trls_own_suite_configuration_raises_no_false_alarm(case, record_property):
-    got = verified(case)
+def worst_over_tolerance(got) -> float:
+    """No alarm on any verified step; the worst figure against the tolerance it was held to."""
     report = got.status["verify"]
     rows = [{k[len(PREFIX):]: v for k, v in r.items() if k.startswith(PREFIX)} for r in got.log_history if "loss" in r]
     assert report["failures"] == [] and report["steps_verified"] >= 2, report
@@ -65,8 +63,14 @@ def test_trls_own_suite_configuration_raises_no_false_alarm(case, record_propert
     ratios = [r["grad_rel_diff"] / (verify.REFERENCE_FACTOR * r["grad_noise_floor"]) if "grad_noise_floor" in r
               else r["grad_rel_diff"] / verify.FP32_TOLERANCE for r in rows if "grad_rel_diff" in r]
     assert ratios, rows
-    record_property("worst_over_tolerance", max(ratios))
-    print(f"\n{case}: worst {max(ratios):.3f}x the tolerance over {len(ratios)} verified steps")
+    return max(ratios)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trls_own_suite_configuration_raises_no_false_alarm(case, record_property):
+    worst = worst_over_tolerance(verified(case))
+    record_property("worst_over_tolerance", worst)
+    print(f"\n{case}: worst {worst:.3f}x the tolerance")
 
 
 def test_a_head_weight_5pct_off_is_caught_in_the_suites_configuration(record_property):
@@ -78,3 +82,20 @@ def test_a_head_weight_5pct_off_is_caught_in_the_suites_configuration(record_pro
     assert err.step == 0 and err.quantity == "grad_rel_diff" and err.measured > err.tolerance
     record_property("fault_over_tolerance", err.measured / err.tolerance)
     print(f"\nfault: {err.measured / err.tolerance:.2f}x the tolerance")
+
+
+def test_trls_peft_configuration_raises_no_false_alarm(record_property):
+    """TRL's ``test_train_peft_model``: LoRA's default adapters (q_proj, v_proj) on the policy."""
+    import functools
+
+    peft = pytest.importorskip("peft")
+    from trl import GRPOTrainer
+
+    verify_log.reset("trl")
+    got = train(True, {"tiled_loss": True, "verify_every": 1, "verify_action": "raise"}, steps=2, bf16=True,
+                reward_funcs=tiny_model.reward_char_sum, optim="sgd",
+                trainer_class=functools.partial(GRPOTrainer, peft_config=peft.LoraConfig()),
+                **{**SUITE, "max_completion_length": 8})
+    worst = worst_over_tolerance(got)
+    record_property("worst_over_tolerance", worst)
+    print(f"\npeft: worst {worst:.3f}x the tolerance")
