@@ -113,8 +113,8 @@ def _fill_policy(policy: Any, worker: Any, config: Any) -> None:
     policy.use_dynamic_batches = policy.use_sequence_packing = False
     policy.flops_tracker = None
     policy.worker_group = _Group(worker)
-    # Memory moves (GPU offload), not run in this process: also where the patched driver calls them
-    # around its deferred prev-logprob pass (Policy.train).
+    # Memory moves (GPU offload), not run in this process (the patched driver's deferred pass runs
+    # without them unless they free memory: adapters/nemo_rl/pass_bracket.py).
     policy.prepare_for_lp_inference = policy.prepare_for_training = lambda *a, **k: None
 
 
