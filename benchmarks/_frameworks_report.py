@@ -49,6 +49,11 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"| {_pair(r['peak_rss_mb'], '{:.0f}')} | {r['max_weight_diff']:.1e} "
             f"| {_counts(r.get('old_logprob_rows'))} | {_counts(r.get('policy_tokens'))} "
             f"| {_counts(r.get('policy_calls'))} |")
+    for r in rows:  # the framework's own per-stage timers where a runner gives them (NeMo-RL)
+        if r["status"] == "ok" and r.get("stages_s"):
+            lines.append("")
+            lines.append(f"{NAMES.get(r['framework'], r['framework'])} {r['version']} per stage, s/step off → on: "
+                         + ", ".join(f"`{n}` {_pair(v, '{:.3f}')}" for n, v in r["stages_s"].items()) + ".")
     return "\n".join(lines)
 
 

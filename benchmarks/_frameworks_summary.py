@@ -70,4 +70,19 @@ def summarise(name: str, spec: dict, runs: list[tuple[dict, dict, float | None]]
         "policy_tokens": [off_last.get("policy_tokens"), on_last.get("policy_tokens")],
         "policy_calls": [off_last.get("policy_calls"), on_last.get("policy_calls")],
         "padding_tokens_skipped": on_last.get("padding_tokens_skipped"),
+        "stages_s": stages(spec, ok),
     }
+
+
+def stages(spec: dict, ok: list[tuple[dict, dict, float | None]]) -> dict[str, list[float]] | None:
+    """Per stage of the trainer side (a runner's ``steps[i]["stages"]``, NeMo-RL's own timers): the
+    median over rounds of each run's per-step median, ``[off, on]`` (``None``: no runner gave stages)."""
+    names = sorted({k for off, on, _ in ok for run in (off, on) for step in run["steps"] for k in step.get("stages", {})})
+    if not names:
+        return None
+
+    def per_step(run: dict, name: str) -> float:
+        return statistics.median(s.get("stages", {}).get(name, 0.0) for s in run["steps"][spec["warmup"]:] or run["steps"])
+
+    return {n: [statistics.median(per_step(off, n) for off, _, _ in ok), statistics.median(per_step(on, n) for _, on, _ in ok)]
+            for n in names}

@@ -113,8 +113,8 @@ def _fill_policy(policy: Any, worker: Any, config: Any) -> None:
     policy.use_dynamic_batches = policy.use_sequence_packing = False
     policy.flops_tracker = None
     policy.worker_group = _Group(worker)
-    # Memory moves (GPU offload), not run in this process: also where the patched driver calls them
-    # around its deferred prev-logprob pass (Policy.train).
+    # Memory moves (GPU offload), not run in this process (the patched driver's deferred pass runs
+    # without them unless they free memory: adapters/nemo_rl/pass_bracket.py).
     policy.prepare_for_lp_inference = policy.prepare_for_training = lambda *a, **k: None
 
 
@@ -236,11 +236,26 @@ def _shape(spec: dict[str, Any]) -> Any:
                      hidden=spec["hidden"], layers=spec["layers"], seed=spec["seed"])
 
 
+def _worker_step(record: dict[str, Any]) -> dict[str, Any]:
+    """A step's figures from the worker's record of its train call (``nemo_e2e_cpu``): ``cpu_trainer_side``
+    is the worker process's CPU seconds for the step (its ``prepare_for_*`` calls, log-prob pass and
+    train call; the driver's own CPU is not in it); ``forwards`` its model calls (with / without grad)."""
+    out: dict[str, Any] = {}
+    if record.get("step_cpu_seconds") is not None:
+        out["cpu_trainer_side"] = record["step_cpu_seconds"]
+        out["worker_train_s"] = record.get("train_seconds")
+    if "forwards" in record:
+        out["forwards"] = record["forwards"]
+    return out
+
+
 def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str) -> dict[str, Any]:
     """v0.7.0 / main: NeMo-RL's ``examples/run_grpo.py`` itself, as the end-to-end cells run it
     (:mod:`grpo_patches_testing.nemo_rl_run_grpo`: a Ray cluster of this run, the DTensor worker as a Ray actor,
     the CPU stand-ins); patched runs start it through ``grpo-patches run`` (default options).
-    Times are NeMo-RL's own timers per step (:data:`TRAINER_SIDE`; ``generation`` apart)."""
+    Times are NeMo-RL's own timers per step (:data:`TRAINER_SIDE`, each kept under ``stages``;
+    ``generation`` apart) and the worker's CPU seconds per step (:func:`_worker_step`); the policy
+    calls and tokens are the worker's forwards with gradients (its record of each train call)."""
     import shutil
     import tempfile
 
@@ -262,8 +277,10 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
         if result.returncode != 0:
             raise RuntimeError(f"run_grpo.py exited {result.returncode}: {result.output[-3000:]}")
         timing = {name: result.step_values(f"timing/train/{name}") for name in (*TRAINER_SIDE, "generation")}
-        steps = [{"trainer_side": sum(timing[name][i] if i < len(timing[name]) else 0.0 for name in TRAINER_SIDE),
-                  "generation": timing["generation"][i]} for i in range(shape.steps)]
+        stages = [{name: timing[name][i] if i < len(timing[name]) else 0.0 for name in TRAINER_SIDE}
+                  for i in range(shape.steps)]
+        steps = [{"trainer_side": sum(stages[i].values()), "generation": timing["generation"][i], "stages": stages[i],
+                  **_worker_step(result.worker[i] if i < len(result.worker) else {})} for i in range(shape.steps)]
         shutil.copy(result.weights, weights)
         prev_pass = result.scalars.get("timing/train/get_logprobs/shard_data", {})  # NeMo-RL times each pass it runs
         reference = [k for k in result.scalars if k.startswith("timing/train/") and "reference_policy_logprobs" in k
@@ -279,6 +296,9 @@ def run_entry_point(tag: str, spec: dict[str, Any], patched: bool, weights: str)
                 "rows_total": shape.rows * shape.steps, "peak_rss_mb": result.worker[-1]["peak_rss_mb"],
                 "old_logprob_rows": shape.rows * passes - skipped, "old_logprob_rows_net": True,
                 "old_logprob_rows_skipped": skipped,
+                "policy_calls": sum(r.get("forwards", {}).get("grad", [0])[0] for r in result.worker),
+                "policy_tokens": sum(r.get("forwards", {}).get("grad", [0, 0, 0])[2] for r in result.worker),
+                "micro_batches_dropped": int(sum(result.step_values("train/grpo_patches/micro_batches_dropped"))),
                 "verify_figures": {k.split("/", 1)[1]: max(result.step_values(k)) for k in result.scalars
                                    if k.startswith("train/" + VERIFY_PREFIX)}}
     finally:

@@ -272,3 +272,20 @@ def test_policy_token_counters_count_only_forwards_with_gradients():
             m(input_ids=ids)
     assert counter.tokens == group.policy_tokens == 42
     assert group.forwards[0] == 3  # every forward still counts as one (the skipped-pass check)
+
+
+def test_stages_are_medians_per_stage_after_warmup():
+    """NeMo-RL's per-stage timers (``steps[i]["stages"]``) summarised per stage, off and on; other runners: None."""
+    def staged(values):
+        return {**_run([sum(v) for v in values]),
+                "steps": [{"trainer_side": sum(v), "generation": 1.0, "stages": {"prep": v[0], "train": v[1]}}
+                          for v in values]}
+
+    rounds = [(staged([(9.0, 9.0), (0.8, 2.0), (0.8, 2.0)]), staged([(9.0, 9.0), (0.0, 1.0), (0.0, 1.0)]), 0.0),
+              (staged([(9.0, 9.0), (1.0, 3.0), (1.0, 3.0)]), staged([(9.0, 9.0), (0.0, 0.5), (0.0, 0.5)]), 0.0)]
+    row = frameworks.summarise("nemo_rl", SPEC, rounds)
+    assert row["stages_s"] == {"prep": [0.9, 0.0], "train": [2.5, 0.75]}
+    assert frameworks.summarise("verl", SPEC, [(_run([1.0, 2.0]), _run([1.0, 1.0]), 0.0)])["stages_s"] is None
+    meta = {"date": "d", "rounds": 2, "cpu_count": 2, "workload": "w", "command": "c"}
+    assert "NeMo-RL 9.9 per stage, s/step off → on: `prep` 0.900 → 0.000, `train` 2.500 → 0.750." in report.table(
+        meta, [row])

@@ -269,6 +269,43 @@ def test_several_optimizer_steps_defer_the_pass_to_the_rows_it_needs(fake_nemo, 
     assert not set(PLACEHOLDER_METRICS) & set(log1.metrics[-1][1])
 
 
+def _steps(log: list[str]) -> list[list[str]]:
+    """A Policy's call log cut after each ``train``."""
+    steps, current = [], []
+    for name in log:
+        current.append(name)
+        if name == "train":
+            steps.append(current)
+            current = []
+    return steps
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_the_deferred_pass_runs_without_the_inference_bracket(fake_nemo, tag, monkeypatch, tmp_path):
+    """The deferred pass runs right after grpo_train's own prepare_for_training: NeMo-RL's inference
+    bracket around it would only call prepare_for_training a second time (the workers' get_logprobs
+    sets eval mode, train() sets train mode: tests/compat_nemo_rl/test_real_prev_rows.py); it stays
+    where it frees memory (offload_optimizer_for_logprob; the Megatron worker: pass_bracket)."""
+    _reached(monkeypatch, tmp_path)
+    (policy0, _, w0), (policy1, _, w1), report = _compare(tag, fake_nemo, {}, policy={"train_global_batch_size": 4},
+                                                          rows=16)
+    assert rel(w1, w0) <= TOL
+    upstream = ["get_logprobs", "prepare_for_training", "train"]
+    if tag in ("v0.7.0", "main"):
+        upstream.insert(0, "prepare_for_lp_inference")
+    assert _steps(policy0.log) == [upstream] * STEPS
+    assert _steps(policy1.log) == [["prepare_for_training", "get_logprobs", "train"]] * STEPS
+    assert report["notes"]["old_logprob_pass"].endswith("without NeMo-RL's inference bracket (the workers set eval "
+                                                        "mode themselves)")
+    grpo_patches.disable()
+    policy2, _, w2 = _run(tag, {}, rows=16, policy={"train_global_batch_size": 4, "offload_optimizer_for_logprob": True})
+    report = grpo_patches.status()["nemo_rl"]
+    assert rel(w2, w0) <= TOL
+    assert _steps(policy2.log) == [["prepare_for_training", "prepare_for_lp_inference", "get_logprobs",
+                                    "prepare_for_training", "train"]] * STEPS
+    assert "in NeMo-RL's inference bracket (policy.offload_optimizer_for_logprob" in report["notes"]["old_logprob_pass"]
+
+
 @pytest.mark.parametrize("tag", ["v0.6.0", "main"])
 def test_recompute_false_keeps_every_row(fake_nemo, tag, monkeypatch, tmp_path):
     _reached(monkeypatch, tmp_path, "recompute=0")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from grpo_patches.row_merge import merge_rows, round_up
 
-from . import FRAMEWORK, PACKAGE
+from . import FRAMEWORK, PACKAGE, pass_bracket
 from .calls import loss_tensors, setting
 from .loss_modes import denominator, gradient_terms
 from .placeholders import FIRST, MARK, ZERO
@@ -159,17 +159,20 @@ def run(loop: LoopCall, policy: Any, data: Any, gbs: int, loss_fn: Any, verify_s
     :returns: ``(rows skipped, what puts the batch and the loss back after the call)``."""
     unknown = unknown_keys(data)
     zero_skip = zero_rows_skippable(loss_fn)
+    bracket = pass_bracket.needed(loop.config)
 
     def logprobs(sub: Any) -> Any:
-        """NeMo-RL's pass as ``grpo_train`` prepares it (the workers in inference mode, optimizer
-        offloaded where configured), then back to training as ``grpo_train`` left them; unpatched
-        (``Policy.get_logprobs``'s record would answer it with the step's placeholder)."""
-        policy.prepare_for_lp_inference()
+        """NeMo-RL's pass, unpatched (``Policy.get_logprobs``'s record would answer it with the step's
+        placeholder); inside ``grpo_train``'s inference bracket only where that frees memory
+        (:mod:`.pass_bracket`), then back to training as ``grpo_train`` left the workers."""
+        if bracket:
+            policy.prepare_for_lp_inference()
         try:
             with FRAMEWORK.unpatched():
                 return policy.get_logprobs(sub)["logprobs"]
         finally:
-            policy.prepare_for_training()
+            if bracket:
+                policy.prepare_for_training()
 
     if unknown or verify_step:
         _, marks = plan(data, gbs, pass_multiple(policy), zero_skip)
@@ -187,7 +190,9 @@ def run(loop: LoopCall, policy: Any, data: Any, gbs: int, loss_fn: Any, verify_s
     else:
         FRAMEWORK.note("old_logprob_pass", "deferred to Policy.train and run only on the rows some loss reads (not "
                                            "the first optimizer step's" + (", not those with advantage 0" if zero_skip
-                                                                           else "") + ")")
+                                                                           else "") + "), "
+                       + (f"in NeMo-RL's inference bracket ({bracket})" if bracket else
+                          "without NeMo-RL's inference bracket (the workers set eval mode themselves)"))
 
     def restore() -> None:
         data.pop(MARK, None)

@@ -144,7 +144,16 @@ def test_two_optimizer_steps_per_rollout(run, record_property):
     record_property("e2e_two_steps_prev_rows_computed", f"{[ROWS - int(v) for v in skipped]} of {ROWS} per step")
     driver = _driver_report(patched)
     assert driver["notes"]["old_logprob_pass"].startswith("deferred to Policy.train and run only on the rows")
+    assert driver["notes"]["old_logprob_pass"].endswith("without NeMo-RL's inference bracket (the workers set eval "
+                                                        "mode themselves)")
     assert driver["savings"]["old_logprob_rows_skipped"] == sum(skipped)
+    # the worker's own forwards per step (beneath the patches): the pass in whole logprob_batch_size calls, once
+    calls = [(w["forwards"]["no_grad"][0], w["forwards"]["grad"][0]) for w in patched.worker]
+    upstream = [(w["forwards"]["no_grad"][0], w["forwards"]["grad"][0]) for w in base.worker]
+    assert upstream == [(ROWS // e2e.CELL.micro_batch, ROWS // e2e.CELL.micro_batch)] * STEPS, upstream
+    assert [no_grad for no_grad, _ in calls] == [math.ceil((ROWS - v) / e2e.CELL.micro_batch) for v in skipped], calls
+    assert all(grad <= ROWS // e2e.CELL.micro_batch for _, grad in calls), calls
+    record_property("e2e_two_steps_calls_per_step", f"(pass, train) {upstream[0]} -> {calls}")
     assert "old_logprob_passes_skipped" not in driver["savings"]
 
 

@@ -104,3 +104,50 @@ def test_a_verify_step_compares_the_skipped_rows(record_property):
     assert verified.status["verify"]["failures"] == [] and max_grad_rel(verified, base) <= cases.TOL
     with pytest.raises(ExactnessError, match="old_logprob_max_abs_diff"):
         cases.verify_step(TAG, harness.real_worker, first_rows_off=0.01)
+
+
+def _dropout_worker():
+    """The real worker with a tiny Qwen2 whose attention dropout (0.5) makes train-mode forwards differ."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    worker = harness.real_worker(TAG, 4, 2)
+    config = Qwen2Config(vocab_size=23, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.5)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    worker.model = Qwen2ForCausalLM(config).float()
+    worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=0.1)
+    return worker
+
+
+def test_the_pass_needs_no_inference_bracket(monkeypatch):
+    """What lets the deferred pass run without ``prepare_for_lp_inference`` / ``prepare_for_training``
+    around it (adapters/nemo_rl/pass_bracket.py): the worker's ``get_logprobs`` puts the model in eval
+    mode itself (same values from a model left in training mode, bitwise), and ``train()`` puts it
+    back in training mode before its first forward. Planted fault: a model whose ``eval()`` does
+    nothing gives other values (dropout), so the comparison can fail."""
+    import torch
+
+    from tests.helpers.nemo_worker_harness import batched, make_batch, make_loss
+
+    worker = _dropout_worker()
+    data = batched(make_batch(rows=4, zero_rows=()))
+    worker.model.eval()
+    bracketed = worker.get_logprobs(batched(data))["logprobs"]
+    worker.model.train()  # as grpo_train's prepare_for_training leaves it
+    bare = worker.get_logprobs(batched(data))["logprobs"]
+    assert torch.equal(bare, bracketed)
+    assert not worker.model.training  # left in eval mode: train() must switch back
+    modes = []
+    hook = worker.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    try:
+        worker.train(batched(data), make_loss(TAG))
+    finally:
+        hook.remove()
+    assert modes and all(modes)
+    worker = _dropout_worker()
+    monkeypatch.setattr(worker.model, "eval", lambda: worker.model)  # the planted fault
+    worker.model.train()
+    torch.manual_seed(1)
+    assert not torch.allclose(worker.get_logprobs(batched(data))["logprobs"], bracketed, atol=1e-4)

@@ -60,10 +60,12 @@ class Policy:
         self.worker = worker_class(config["model_factory"](), config, lr=config.get("lr", 0.1))
         self.worker.reference = copy.deepcopy(self.worker.model) if init_reference_model else None
         self.calls = {"get_logprobs": 0, "get_reference_policy_logprobs": 0, "train": 0}
+        self.log = []  # the worker calls in order (the inference bracket around a pass included)
         Policy.built.append(self)
 
     def get_logprobs(self, data, timer=None):
         self.calls["get_logprobs"] += 1
+        self.log.append("get_logprobs")
         return self.worker.get_logprobs(data)
 
     def get_reference_policy_logprobs(self, data, micro_batch_size=None, timer=None):
@@ -77,6 +79,7 @@ class Policy:
 
     def train(self, data, loss_fn, eval_mode=False, *, gbs=None, mbs=None, timer=None):
         self.calls["train"] += 1
+        self.log.append("train")
         import pickle
 
         loss_fn = pickle.loads(pickle.dumps(loss_fn))  # NeMo-RL ships the loss to the workers on every call
@@ -84,10 +87,10 @@ class Policy:
         return {"loss": result["global_loss"], "all_mb_metrics": result["all_mb_metrics"]}
 
     def prepare_for_lp_inference(self):
-        pass
+        self.log.append("prepare_for_lp_inference")
 
     def prepare_for_training(self):
-        pass
+        self.log.append("prepare_for_training")
 '''
 
 LOGGER = '''

@@ -21,8 +21,13 @@ concerned (``wrapt`` post-import hooks):
   before training (``weights-0.pt``) and after each ``train`` call (``weights-<call>.pt``; only
   the calls ``GRPO_PATCHES_E2E_SAVE_CALLS`` lists, when set) and one JSON line per call (its pid
   and peak RSS, whether grpo_patches is importable there and that process's
-  ``grpo_patches.status()``, the loss of each optimizer step); the driver writes its own
-  ``status()`` at exit.
+  ``grpo_patches.status()``, the loss of each optimizer step, the call's seconds from its first
+  global batch to its end (``train_seconds``; ``train_cpu_seconds``: the process's CPU time, steadier
+  on a shared host; ``step_cpu_seconds``: since the previous record, so with the log-prob pass and
+  the ``prepare_for_*`` calls of the step), and the model's forwards since the previous record: ``forwards``,
+  ``{"grad" | "no_grad": [calls, rows, rows x columns]}``, counted by a forward pre-hook beneath
+  every patch, so the log-prob passes run before this call are in its record); the driver writes
+  its own ``status()`` at exit.
 
 Every attribute these hooks set goes through one ``grpo_patches_testing.cpu_torch.Rebinding``
 (the CUDA part is the kit's one shim, :mod:`grpo_patches_testing.cpu_torch`): :func:`uninstall`
@@ -42,6 +47,11 @@ DATA_ENV = "GRPO_PATCHES_E2E_DATA"
 TOKENIZER_ENV = "GRPO_PATCHES_E2E_TOKENIZER"
 DUMP_ENV = "GRPO_PATCHES_E2E_DUMP"
 _TRAIN_CALLS = [0]
+#: The model's forwards since the last train record (``{"grad" | "no_grad": [calls, rows, rows x columns]}``)
+#: and the running train call's start (``time.perf_counter()``; ``None`` between calls).
+_FORWARDS: dict[str, list[int]] = {"grad": [0, 0, 0], "no_grad": [0, 0, 0]}
+_TRAIN_START: list[Any] = [None]
+_CPU_MARKS: list[float] = [0.0, 0.0]  # process CPU time at the running call's start, at the last record
 
 
 def install() -> None:
@@ -138,6 +148,8 @@ def _rope_from_config(setup: Any) -> None:
 
         state = original(*args, **kwargs)
         model = state[0]
+        if os.environ.get(DUMP_ENV):
+            model.register_forward_pre_hook(_count_forward, with_kwargs=True)
         with torch.no_grad():
             for name, module in model.named_modules():
                 if type(module).__name__.endswith("RotaryEmbedding") and isinstance(getattr(module, "inv_freq", None),
@@ -152,6 +164,17 @@ def _rope_from_config(setup: Any) -> None:
         return state
 
     _rebinding().set(setup, "setup_model_and_optimizer", setup_model_and_optimizer)
+
+
+def _count_forward(module: Any, args: tuple, kwargs: dict) -> None:
+    import torch
+
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    counts = _FORWARDS["grad" if torch.is_grad_enabled() else "no_grad"]
+    counts[0] += 1
+    if ids is not None:
+        counts[1] += int(ids.shape[0])
+        counts[2] += int(ids.numel())
 
 
 # ---------------------------------------------------------------- generation stand-in
@@ -299,7 +322,11 @@ def _observe_data(module: Any) -> None:
 
     @functools.wraps(original)
     def process_global_batch(*args: Any, **kwargs: Any) -> Any:
+        import time
+
         worker = _worker_of_caller()
+        if worker is not None and _TRAIN_START[0] is None:
+            _TRAIN_START[0], _CPU_MARKS[0] = time.perf_counter(), time.process_time()
         if worker is not None and _TRAIN_CALLS[0] == 0 and not getattr(worker, "_e2e_saved_initial", False):
             worker._e2e_saved_initial = True
             if _saves(0):
@@ -321,12 +348,21 @@ def _observe_train(module: Any) -> None:
 
     @functools.wraps(original)
     def aggregate_training_statistics(*args: Any, **kwargs: Any) -> Any:
+        import time
+
         import torch
 
         result = original(*args, **kwargs)
         worker = _worker_of_caller()
+        started, _TRAIN_START[0] = _TRAIN_START[0], None
         if worker is None or not torch.is_grad_enabled():  # eval_mode runs under no_grad
             return result
+        seconds = None if started is None else time.perf_counter() - started
+        cpu = time.process_time()
+        cpu_train, cpu_step = cpu - _CPU_MARKS[0], cpu - _CPU_MARKS[1]
+        forwards = {k: list(v) for k, v in _FORWARDS.items()}
+        for counts in _FORWARDS.values():
+            counts[:] = [0, 0, 0]
         _TRAIN_CALLS[0] += 1
         call = _TRAIN_CALLS[0]
         if _saves(call):
@@ -334,7 +370,10 @@ def _observe_train(module: Any) -> None:
         _append("worker.jsonl", {"call": call, "pid": os.getpid(), "executable": sys.executable,
                                  "peak_rss_mb": _peak_rss_mb(),
                                  "loss": [float(x) for x in torch.as_tensor(result["global_loss"]).reshape(-1)],
+                                 "train_seconds": seconds, "train_cpu_seconds": cpu_train,
+                                 "step_cpu_seconds": cpu_step, "forwards": forwards,
                                  "grpo_patches": _grpo_patches_report()})
+        _CPU_MARKS[1] = time.process_time()  # the record's own cost (weights, status()) counts in no step
         return result
 
     _rebinding().set(module, "aggregate_training_statistics", aggregate_training_statistics)
