@@ -107,11 +107,18 @@ def cpu_stand_ins(config: Config, ds_owner: Any) -> list[tuple[Any, str, Any]]:
 
 
 @contextlib.contextmanager
-def cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
-    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
+def cpu_setup(grpo_fast: Any, config: Config, checkpoint: str | None = None) -> Iterator[None]:
+    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit. With
+    ``checkpoint``, a ZeRO-3 policy must hold it when DeepSpeed gets it (:mod:`.open_instruct_zero3_start`)."""
     shim = cpu_torch.Rebinding()
     for owner, name, value in cpu_stand_ins(config, grpo_fast):
         shim.set(owner, name, value)
+    if checkpoint is not None and config.deepspeed_stage == 3:
+        import deepspeed
+
+        from grpo_patches_testing.open_instruct_zero3_start import checked_initialize
+
+        shim.set(deepspeed, "initialize", checked_initialize(deepspeed.initialize, checkpoint))
     with shim:
         shim.enter(cpu_torch.cuda_to_cpu_mode())
         yield
