@@ -15,6 +15,9 @@ test-only stand-ins (no open-instruct function body is changed; :func:`cpu_setup
   ``optimizer="sgd"``: ``torch.optim.AdamW`` built by ``from_pretrained`` becomes SGD (exact
   per-step comparisons; AdamW turns rounding noise into different trajectories), with
   ``zero_allow_untested_optimizer``.
+* ZeRO-3 on gloo ranks: loading the partitioned model on DeepSpeed's CPU accelerator can leave a weight
+  holding stale memory; every ZeRO-3 model is checked against the checkpoint (and what differs written
+  again) before ``deepspeed.initialize`` (:mod:`.open_instruct_zero3_start`).
 * The data: ``streaming_config.build_dataloader`` (it reaches a Ray actor) returns the batches
   (:func:`streaming_config`).
 """
