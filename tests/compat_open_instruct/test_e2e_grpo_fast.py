@@ -14,18 +14,21 @@ same rollouts on every run (half the groups uniform: advantage exactly 0).
 * Patched (``grpo-patches run --frameworks open_instruct``: ``GRPO_PATCHES=open_instruct`` and
   ``GRPO_PATCHES_OPTIONS`` in every process) against unpatched: the logged loss and grad norm per step,
   DeepSpeed's grad norm per optimizer step and the final weights within ``TOL``, and the savings seen
-  by hooks on the learner's engines (no reference model at beta 0, fewer training forwards: the
-  zero-advantage micro-batches) and in open-instruct's own logs (``grpo_patches/*`` metrics). Skips with
-  the reason while ``grpo_patches.adapters.open_instruct`` does not exist. ``GRPO_E2E_FULL=1`` adds two
-  mini-batches per step (the old-logprob pre-pass) and the tiled loss.
+  by hooks on the learner's engines and in open-instruct's own logs (``grpo_patches/*`` metrics), in
+  three cases (:data:`CASES`): the defaults (no reference model at beta 0, the zero-advantage
+  micro-batches out of the forward and backward); two mini-batches per step at temperature 0.7 (the
+  old-logprob pre-pass runs, and ``recompute`` leaves out the first accumulation group); the same with
+  the tiled lm-head (no ``[B, T, vocab]`` logits in the training forward nor in the pre-pass; ``TILED_TOL``).
+  Skips with the reason while ``grpo_patches.adapters.open_instruct`` does not exist.
+* A planted fault per optimization the variants add (:data:`FAULTS`, entered in the learner's process):
+  old log-probs from the wrong weights, the tiled lm-head at the wrong temperature: each fails the
+  comparison.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import os
-
 import pytest
 
 from grpo_patches_testing import open_instruct_e2e as e2e
@@ -37,6 +40,8 @@ for _module in ("open_instruct", "deepspeed", "ray", "wrapt", "safetensors"):
 
 TOL = 1e-6  # fp32, relative
 TILED_TOL = 1e-5
+#: The logged metrics compared per step (beside DeepSpeed's grad norm per optimizer step and the weights).
+LOGGED = ("loss/policy_avg", "loss/total_avg", "optim/grad_norm")
 STEPS = e2e.TESTS.steps
 #: Logged metrics that depend on time or on when a weight sync reached the engine (never compared).
 TIMING = ("time/", "_per_second", "mfu", "mbu", "utilization", "model_step", "num_steps_off_policy",
@@ -62,9 +67,10 @@ def run(tmp_path_factory):
     files = e2e.assets(root)
     done: dict[str, e2e.Run] = {}
     with e2e.cluster() as cluster:
-        def one(name: str, config: e2e.Config = e2e.TESTS, options: str | None = None) -> e2e.Run:
+        def one(name: str, config: e2e.Config = e2e.TESTS, options: str | None = None,
+                fault: str | None = None) -> e2e.Run:
             if name not in done:
-                done[name] = r = e2e.run(root / name, cluster, files, config, options)
+                done[name] = r = e2e.run(root / name, cluster, files, config, options, fault=fault)
                 assert r.returncode == 0, f"{name}: exit {r.returncode} after {r.seconds:.0f} s\n{r.output[-8000:]}"
                 assert len(r.metrics) == len(r.learner) == STEPS, \
                     (name, len(r.metrics), len(r.learner))
@@ -77,8 +83,8 @@ def _compared(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not any(t in k for t in TIMING)}
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
+def _rel(a: float, b: float, scale: float = 0.0) -> float:
+    return abs(a - b) / max(abs(b), scale, 1e-12)
 
 
 def weights_rel(ours: dict, theirs: dict) -> float:
@@ -89,19 +95,29 @@ def weights_rel(ours: dict, theirs: dict) -> float:
                for k in theirs)
 
 
-def compare(base: e2e.Run, other: e2e.Run, tol: float, names: tuple[str, ...]) -> dict[str, float]:
-    """The largest relative difference per logged metric in ``names`` over the steps, of DeepSpeed's grad
-    norm per optimizer step, and of the final weights; asserts each within ``tol``."""
+def gaps(base: e2e.Run, other: e2e.Run, names: tuple[str, ...] = LOGGED) -> dict[str, float]:
+    """The largest relative difference per logged metric in ``names`` over the steps (on the scale of the
+    metric's largest value in the run: the policy loss averages signed per-token terms and can cancel to
+    a thousandth of them in one step -- measured: -1.15e-3 in a run whose other steps log -3.1e-2 and
+    -3.4e-2 -- where rounding its terms by 1e-6 moves it by 1e-4 of itself), of DeepSpeed's grad norm per
+    optimizer step, and of the final weights."""
     worst = {}
     for name in names:
         ours, theirs = other.values(name), base.values(name)
         assert len(ours) == len(theirs) == STEPS, (name, ours, theirs)
-        worst[name] = max(_rel(a, b) for a, b in zip(ours, theirs))
+        scale = max(abs(b) for b in theirs)
+        worst[name] = max(_rel(a, b, scale) for a, b in zip(ours, theirs))
     ours = [g for step in other.learner for g in step["grad_norms"]]
     theirs = [g for step in base.learner for g in step["grad_norms"]]
     assert len(ours) == len(theirs) > 0, (ours, theirs)
     worst["grad_norm_per_optimizer_step"] = max(_rel(a, b) for a, b in zip(ours, theirs))
     worst["weights"] = weights_rel(other.weights(), base.weights())
+    return worst
+
+
+def compare(base: e2e.Run, other: e2e.Run, tol: float, names: tuple[str, ...] = LOGGED) -> dict[str, float]:
+    """:func:`gaps`, each asserted within ``tol``."""
+    worst = gaps(base, other, names)
     assert all(v <= tol for v in worst.values()), worst
     return worst
 
@@ -139,38 +155,83 @@ def test_the_comparison_catches_a_planted_difference(run):
     assert weights_rel(planted, weights) > TOL
 
 
-CASES = {"defaults": ("", e2e.TESTS, TOL)}
-if os.environ.get("GRPO_E2E_FULL"):
-    CASES["two_mini_batches"] = ("", e2e.Config(num_mini_batches=2), TOL)
-    CASES["tiled_filter"] = ("tiled_loss=1,zero_advantage_filter=1", e2e.TESTS, TILED_TOL)
+#: Two mini-batches per step (the old-logprob pre-pass), at temperature 0.7 (the learner divides by it).
+TWO_MINI_BATCHES = e2e.Config(num_mini_batches=2, temperature=0.7)
+#: case -> (``grpo-patches run --options``, workload, tolerance); "" is every default option
+CASES = {
+    "defaults": ("", e2e.TESTS, TOL),
+    "two_mini_batches": ("", TWO_MINI_BATCHES, TOL),
+    "tiled": ("tiled_loss=1", TWO_MINI_BATCHES, TILED_TOL),
+}
+#: case -> the planted fault (a context manager of tests/helpers/open_instruct_compare.py) that must fail it
+FAULTS = {"two_mini_batches": "stale_old_logprobs", "tiled": "cold_tiled"}
+
+
+def _micro_batches(n: int, num_mini_batches: int) -> tuple[int, int]:
+    """A step's accumulation group and how many of its ``n`` micro-batches it trains on (the leftovers
+    dropped), as ``PolicyTrainerRayProcess.step`` computes them (``grpo_fast.py:602-608``)."""
+    group = max(math.ceil(n / num_mini_batches - 0.5), 1)
+    return group, n - n % group
+
+
+def _base(case: str) -> str:
+    """The unpatched run a case compares against (one per workload)."""
+    config = CASES[case][1]
+    return "unpatched" if config == e2e.TESTS else "unpatched-" + next(c for c in CASES if CASES[c][1] == config)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_patched_run_equals_unpatched(run, case, record_property):
-    """``GRPO_PATCHES=open_instruct``: the same training, with the reference model gone at beta 0 and the
-    zero-advantage micro-batches out of the forward and backward."""
+    """``GRPO_PATCHES=open_instruct``: the same training, with the reference model gone at beta 0, the
+    zero-advantage micro-batches out of the forward and backward, the pre-pass trimmed (two mini-batches)
+    and no full-vocabulary logits (tiled)."""
     why = _adapter()
     if why:
         pytest.skip(why)
     options, config, tol = CASES[case]
-    base = run("unpatched" if config == e2e.TESTS else f"unpatched-{case}", config)
+    base = run(_base(case), config)
     patched = run(f"patched-{case}", config, options)
-    worst = compare(base, patched, tol, ("loss/policy_avg", "loss/total_avg", "optim/grad_norm"))
+    worst = compare(base, patched, tol)
     for name, value in worst.items():
         record_property(f"exact_e2e_{case}_{name.replace('/', '_')}_rel", value)
     # savings, seen by hooks on the learner's DeepSpeed engines
-    for ours, theirs in zip(patched.learner, base.learner):
-        assert theirs["forwards"]["reference"] > 0 and ours["forwards"]["reference"] == 0
-        dropped = theirs["batch"]["zero_advantage_micro_batches"]
-        assert ours["forwards"]["training"] == theirs["forwards"]["training"] - dropped * config.num_epochs
-        assert ours["batch"] == theirs["batch"]  # the same rollouts reached the learner
-        assert ours["grpo_patches"] and ours["grpo_patches"]["open_instruct"]["patched"]
-    # ... and in open-instruct's own logged metrics
     saved = [{k: v for k, v in m.items() if k.startswith("grpo_patches/")} for m in patched.metrics]
     assert all(saved), "no grpo_patches/* metric in open-instruct's logs"
     assert not any(k.startswith("grpo_patches/") for m in base.metrics for k in m)
+    for ours, theirs, logged in zip(patched.learner, base.learner, saved):
+        assert ours["batch"] == theirs["batch"]  # the same rollouts reached the learner
+        assert ours["grpo_patches"] and ours["grpo_patches"]["open_instruct"]["patched"]
+        before, after = theirs["forwards"], ours["forwards"]
+        group, used = _micro_batches(theirs["batch"]["micro_batches"], config.num_mini_batches)
+        zero = theirs["batch"]["zero_advantage"][:used]
+        assert before["training"] == used * config.num_epochs and before["reference"] == used
+        assert after["reference"] == 0
+        assert after["training"] == (used - sum(zero)) * config.num_epochs  # the zero-advantage ones dropped
+        # the pre-pass (two mini-batches): never over epoch 0's first accumulation group nor a dropped one
+        assert before["old_logprob"] == (used if config.num_mini_batches > 1 else 0)
+        assert after["old_logprob"] == (sum(not z for z in zero[group:]) if config.num_mini_batches > 1 else 0)
+        # ... and the same savings in open-instruct's own logged metrics (one learner: its own counts)
+        assert logged["grpo_patches/reference_micro_batches_skipped"] == before["reference"]
+        assert logged["grpo_patches/micro_batches_dropped"] == before["training"] - after["training"]
+        if config.num_mini_batches > 1:
+            assert logged["grpo_patches/old_logprob_micro_batches_skipped"] == before["old_logprob"] - after["old_logprob"]
+        if "tiled_loss" in options:
+            assert before["full_logits"] > 0 and after["full_logits"] == 0
     record_property(f"e2e_{case}_forwards", str({"unpatched": [s["forwards"] for s in base.learner],
                                                  "patched": [s["forwards"] for s in patched.learner]}))
     record_property(f"e2e_{case}_logged_savings", str(saved))
     record_property(f"e2e_{case}_seconds", f"{base.seconds:.0f} unpatched, {patched.seconds:.0f} patched")
     assert not any(math.isnan(v) for v in patched.values("loss/policy_avg"))
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_a_planted_fault_fails_the_comparison(run, case, record_property):
+    """The case's run with its planted fault in the learner: the same comparison fails."""
+    why = _adapter()
+    if why:
+        pytest.skip(why)
+    options, config, tol = CASES[case]
+    faulty = run(f"fault-{case}", config, options, fault=f"tests.helpers.open_instruct_compare:{FAULTS[case]}")
+    worst = gaps(run(_base(case), config), faulty)
+    record_property(f"fault_e2e_{case}", max(worst.values()))
+    assert not all(v <= tol for v in worst.values()), worst

@@ -155,7 +155,7 @@ def train(config: Config, rank: int = 0) -> Result:
         args, streaming, vllm_config, model_config, beaker = _configs(grpo_fast, config, path, steps)
         learner = cls(config.world_size, rank, rank, "127.0.0.1", free_port(), args, streaming, vllm_config,
                       tokenizer)
-        with cpu_setup(grpo_fast, config):
+        with cpu_setup(grpo_fast, config, path):
             learner.from_pretrained(args, model_config, beaker, None, tokenizer)
         learner.device = torch.device("cpu")
         try:

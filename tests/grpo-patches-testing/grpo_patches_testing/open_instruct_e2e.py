@@ -40,6 +40,7 @@ from grpo_patches_testing import entry_points
 from grpo_patches_testing.nemo_rl_run_grpo import PASSTHROUGH_TEMPLATE, RayCluster
 
 STARTUP = Path(__file__).resolve().parent / "open_instruct_startup"
+REPOSITORY = Path(__file__).resolve().parents[3]  # tests/grpo-patches-testing/grpo_patches_testing/<this>
 #: Ray's view of this machine for a run: the learner's placement group asks for 1 GPU + 10 CPUs per
 #: learner, each engine 1 + 1, the DataPreparationActor 2 CPUs and the ActorManager 1 (logical only).
 CLUSTER = {"num_cpus": 16, "num_gpus": 2}
@@ -60,6 +61,7 @@ class Config:
     num_mini_batches: int = 1
     num_epochs: int = 1
     beta: float = 0.0
+    temperature: float = 1.0  # main's default (v0.3.0's: 0.7); the learner divides its logits by it
     deepspeed_stage: int = 2
     learning_rate: float = 0.05
     max_grad_norm: float = 1.0
@@ -120,7 +122,7 @@ def arguments(config: Config, files: dict[str, Path], out: Path) -> list[str]:
         "--learning_rate", str(c.learning_rate), "--lr_scheduler_type", "constant", "--warmup_ratio", "0.0",
         "--weight_decay", "0.0", "--max_grad_norm", str(c.max_grad_norm), "--beta", str(c.beta),
         "--deepspeed_stage", str(c.deepspeed_stage), "--num_learners_per_node", "1", "--vllm_num_engines", "1",
-        "--temperature", "1.0", "--push_to_hub", "false", "--with_tracking", "false",
+        "--temperature", str(c.temperature), "--push_to_hub", "false", "--with_tracking", "false",
         "--try_auto_save_to_beaker", "false", "--save_freq", "100000",
         *c.args,
     ]
@@ -165,14 +167,18 @@ def source_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
-def environment(folder: Path, config: Config, cluster: RayCluster) -> dict[str, str]:
+def environment(folder: Path, config: Config, cluster: RayCluster, fault: str | None = None) -> dict[str, str]:
     from grpo_patches_testing.open_instruct_cpu import environment as deepspeed_environment
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_PATCHES", "RAY_"))}
-    settings = {"dump": str(folder), "seed": config.seed, "bf16": config.bf16, "optimizer": config.optimizer}
+    settings = {"dump": str(folder), "seed": config.seed, "bf16": config.bf16, "optimizer": config.optimizer,
+                "fault": fault}
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if fault:  # the planted fault's module (tests.helpers...) is the repository's, found last
+        paths.append(str(REPOSITORY))
     env.update({
         **deepspeed_environment(), **cluster.env,
-        "PYTHONPATH": os.pathsep.join([str(STARTUP), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]),
+        "PYTHONPATH": os.pathsep.join([str(STARTUP), *paths]),
         "GRPO_PATCHES_OPEN_INSTRUCT_CPU": "1", "GRPO_PATCHES_OPEN_INSTRUCT_E2E": json.dumps(settings),
         "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
     })
@@ -182,15 +188,16 @@ def environment(folder: Path, config: Config, cluster: RayCluster) -> dict[str, 
 
 
 def run(folder: Path, cluster: RayCluster, files: dict[str, Path], config: Config = TESTS,
-        options: str | None = None, timeout: float = 1800) -> Run:
+        options: str | None = None, timeout: float = 1800, fault: str | None = None) -> Run:
     """``python open_instruct/grpo_fast.py ...`` unpatched (``options is None``) or through
     ``grpo-patches run --frameworks open_instruct --options <options>``, in ``folder`` (its records
-    and output land there)."""
+    and output land there). ``fault``: a planted fault entered in the learner's process (``"module:name"``
+    of a context manager; ``open_instruct_startup/cpu_run.py``)."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in [*folder.glob("*.jsonl"), folder / "output.log"]:
         stale.unlink(missing_ok=True)
     command = [sys.executable, str(source_root() / "open_instruct" / "grpo_fast.py"), *arguments(config, files, folder)]
-    env = environment(folder, config, cluster)
+    env = environment(folder, config, cluster, fault)
     if options is not None:  # a copy of grpo_patches in GRPO_E2E_PYTHONPATH goes first (patched runs only)
         env["PYTHONPATH"] = os.pathsep.join([*entry_points.other_package(), env["PYTHONPATH"]])
         command = entry_points.launched("open_instruct", options, folder.parent / "grpo-patches-startup", command)

@@ -15,6 +15,9 @@ test-only stand-ins (no open-instruct function body is changed; :func:`cpu_setup
   ``optimizer="sgd"``: ``torch.optim.AdamW`` built by ``from_pretrained`` becomes SGD (exact
   per-step comparisons; AdamW turns rounding noise into different trajectories), with
   ``zero_allow_untested_optimizer``.
+* ZeRO-3 on gloo ranks: loading the partitioned model on DeepSpeed's CPU accelerator can leave a weight
+  holding stale memory; every ZeRO-3 model is checked against the checkpoint (and what differs written
+  again) before ``deepspeed.initialize`` (:mod:`.open_instruct_zero3_start`).
 * The data: ``streaming_config.build_dataloader`` (it reaches a Ray actor) returns the batches
   (:func:`streaming_config`).
 """
@@ -107,11 +110,18 @@ def cpu_stand_ins(config: Config, ds_owner: Any) -> list[tuple[Any, str, Any]]:
 
 
 @contextlib.contextmanager
-def cpu_setup(grpo_fast: Any, config: Config) -> Iterator[None]:
-    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit."""
+def cpu_setup(grpo_fast: Any, config: Config, checkpoint: str | None = None) -> Iterator[None]:
+    """The stand-ins ``from_pretrained`` needs on a CPU (module docstring); all undone on exit. With
+    ``checkpoint``, a ZeRO-3 policy must hold it when DeepSpeed gets it (:mod:`.open_instruct_zero3_start`)."""
     shim = cpu_torch.Rebinding()
     for owner, name, value in cpu_stand_ins(config, grpo_fast):
         shim.set(owner, name, value)
+    if checkpoint is not None and config.deepspeed_stage == 3:
+        import deepspeed
+
+        from grpo_patches_testing.open_instruct_zero3_start import checked_initialize
+
+        shim.set(deepspeed, "initialize", checked_initialize(deepspeed.initialize, checkpoint))
     with shim:
         shim.enter(cpu_torch.cuda_to_cpu_mode())
         yield

@@ -29,7 +29,9 @@ when ``GRPO_PATCHES_OPEN_INSTRUCT_E2E`` holds the run's settings (JSON: ``dump``
 * numpy's and Python's global random generators are seeded at start-up: ``DataPreparationActor``
   shuffles each step's micro-batches with ``np.random.permutation`` (unseeded upstream), and two runs
   must get the same batches;
-* observation (:mod:`.run_records`): logged metrics, per-step learner records, rollouts.
+* observation (:mod:`.run_records`): logged metrics, per-step learner records, rollouts;
+* a test's planted fault (settings ``fault``: ``"module:name"`` of a context manager, e.g. one of
+  ``tests/helpers/open_instruct_compare.py``), entered for good in the learner's process.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from typing import Any
 SETTINGS_ENV = "GRPO_PATCHES_OPEN_INSTRUCT_E2E"
 #: Nominal specs of the "cpu" device for open-instruct's utilization metrics (never compared).
 CPU_SPECS = {"flops": 1e12, "memory_size": 24e9, "memory_bandwidth": 50e9}
+#: The planted faults entered in this process (settings ``fault``), for good.
+FAULTS: list[Any] = []
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,3 +177,10 @@ def _learner_process() -> None:
     dist.init_process_group = init_process_group
     cpu_torch.cuda_to_cpu_mode().__enter__()  # for good: the actor's methods all run on this thread
     run_records.observe_learner(deepspeed, data_types, utils)
+    fault = settings().get("fault")
+    if fault:  # grpo_patches looks its wrappers up at each call: the fault is seen from the first step
+        import importlib
+
+        module, _, name = fault.partition(":")
+        FAULTS.append(planted := getattr(importlib.import_module(module), name)())
+        planted.__enter__()  # kept referenced: a collected generator context would run its finally: (undo)

@@ -95,9 +95,10 @@ class LearnerRecord:
                       "shapes": [list(t.shape) for t in batch.query_responses],
                       "token_sum": int(sum(int(t.sum()) for t in batch.query_responses)),
                       "advantage_sum": float(sum(float(a.double().sum()) for a in batch.advantages)),
-                      "zero_advantage_micro_batches": sum(
-                          int(bool((a[m.bool()] == 0).all())) for a, m in zip(batch.advantages, batch.response_masks)),
+                      "zero_advantage": [bool((a[m.bool()] == 0).all())
+                                         for a, m in zip(batch.advantages, batch.response_masks)],
                       "vllm_logprob_sum": float(sum(float(v.double().nansum()) for v in batch.vllm_logprobs))}
+        self.batch["zero_advantage_micro_batches"] = sum(self.batch["zero_advantage"])
 
     def end_step(self, metrics: dict[str, float]) -> None:
         from grpo_patches_testing.open_instruct_startup import rollout_engine
