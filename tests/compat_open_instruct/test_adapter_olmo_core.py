@@ -5,7 +5,9 @@ every optimizer step's gradient is recorded and compared.
 Two mini-batches, two epochs, two zero-advantage groups in 16 responses (6 micro-batches of one row, the
 4th and 6th of advantage 0),
 temperature 0.7: the old-logprob pre-pass window, the zero-advantage filter and the tiled lm-head
-(with verify mode on every step) apply; this learner has no reference model at beta 0 of its own.
+(with verify mode on every step) apply; this learner has no reference model at beta 0 of its own. Each
+has a planted fault: a filter dropping a useful micro-batch (1.0), stale old log-probs after the first
+optimizer step (0.66), the tiled lm-head at temperature 1 (1.99).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import pytest
 
 from grpo_patches_testing import open_instruct_cpu as deepspeed_learner
 from grpo_patches_testing import open_instruct_olmo_core as harness
-from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, counts, distance,
-                                                dropping_a_useful_micro_batch)
+from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, cold_tiled, counts, distance,
+                                                dropping_a_useful_micro_batch, stale_old_logprobs)
 
 harness.load()  # skips without open-instruct (and its ai2-olmo-core) on the path
 
@@ -65,4 +67,19 @@ def test_a_filter_that_drops_a_useful_micro_batch_is_caught(run, monkeypatch, re
     monkeypatch.setattr(zero_advantage, "plan", dropping_a_useful_micro_batch(zero_advantage.plan))
     gap = distance(harness.train(RUNS["exact"]), run("base"))
     record_property("fault_olmo_core_filter", gap)
+    assert gap > 1e-3
+
+
+def test_stale_old_logprobs_after_the_first_optimizer_step_are_caught(run, record_property):
+    """The window's planted fault: no pre-pass, every micro-batch's old log-probs the current ones."""
+    with stale_old_logprobs():
+        gap = distance(harness.train(RUNS["exact"]), run("base"))
+    record_property("fault_olmo_core_stale_old_logprobs", gap)
+    assert gap > 1e-3
+
+
+def test_a_tiled_lm_head_at_the_wrong_temperature_is_caught(run, record_property):
+    with cold_tiled():
+        gap = distance(harness.train(deepspeed_learner.replace(BASE, enable=ALL_ON_TILED)), run("base"))
+    record_property("fault_olmo_core_tiled", gap)
     assert gap > 1e-3
