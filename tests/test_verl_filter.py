@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from grpo_patches_testing import verl_actor_runs as h
@@ -194,6 +195,9 @@ def test_dropped_rows_metrics_keeps_every_metric(workers, dynamic, record_proper
         assert got.grad_rows == KEPT
     else:  # a micro-batch of dropped rows only still runs one of them with autograd (the backward needs a graph)
         assert KEPT <= got.grad_rows < h.ROWS and got.forwards > ref.forwards
+    # verl's own micro-batches, each forwarded twice: no call saved, and never a negative saving
+    assert set(np.ravel(got.metrics["grpo_patches/micro_batches_dropped"])) == {0}
+    assert "micro_batches_dropped" not in got.status["savings"]
     verls = {k: v for k, v in got.metrics.items() if not k.startswith("grpo_patches/")}
     assert set(verls) == set(ref.metrics)
     for name, value in ref.metrics.items():

@@ -180,7 +180,8 @@ def update_policy(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         tokens_dropped=update.tokens_dropped // per_epoch,
         padding_rows=update.padding_rows // per_epoch,
         padding_tokens_skipped=update.padding_tokens_skipped,  # every epoch's forwards
-        micro_batches_dropped=update.micro_batches_unfiltered - update.micro_batches,  # every epoch's calls
+        # every epoch's calls; "nograd" runs verl's own micro-batches (each forwarded twice): none saved
+        micro_batches_dropped=update.micro_batches_unfiltered - update.micro_batches if mode == "pack" else 0,
     )
     return out
 
