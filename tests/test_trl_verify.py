@@ -36,7 +36,7 @@ from grpo_patches import verify_log  # noqa: E402
 from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import ExactnessError, GrpoPatchesWarning, PlaceholderError  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow, past_the_contract  # noqa: E402
-from tests.helpers.trl_runs import gmpo_class, needs_tiled  # noqa: E402
+from tests.helpers.trl_runs import gmpo_class, needs_tiled, verify_figures  # noqa: E402
 from tests.helpers.trl_trace import TIMES, Tracer, same  # noqa: E402
 from tests.helpers.trl_runs import run as filter_test_run  # noqa: E402
 from grpo_patches_testing import scratch  # noqa: E402
@@ -76,10 +76,7 @@ def run(verify_every: int | None, steps: int = 2, reentrant: bool = False, dropo
     return result
 
 
-def verify_rows(result) -> list[dict]:
-    """The verify figures of each log row (training rows only)."""
-    return [{k[len(PREFIX):]: v for k, v in row.items() if k.startswith(PREFIX)} for row in result.log_history
-            if "loss" in row]
+verify_rows = verify_figures  # the verify figures of each log row (training rows only)
 
 
 # -- correct code --------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from grpo_patches import verify, verify_log  # noqa: E402
 from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import ExactnessError  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow, WrongTiledHead, past_the_contract  # noqa: E402
-from tests.helpers.trl_runs import needs_tiled  # noqa: E402
+from tests.helpers.trl_runs import needs_tiled, verify_figures  # noqa: E402
 from tests.helpers.trl_trace import TIMES, Tracer, same  # noqa: E402
 from grpo_patches_testing.trl_train import train  # noqa: E402
 
@@ -43,9 +43,7 @@ def verified(steps: int = 2, options: dict | None = None, **config):
     return train(True, {**VERIFY, **(options or {})}, steps=steps, **{**COMMON, **config})
 
 
-def figures(result) -> list[dict]:
-    return [{k[len(PREFIX):]: v for k, v in row.items() if k.startswith(PREFIX)} for row in result.log_history
-            if "loss" in row]
+figures = verify_figures
 
 
 @pytest.mark.parametrize("config", [

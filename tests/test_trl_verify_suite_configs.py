@@ -23,12 +23,11 @@ from grpo_patches.demo import tiny_model  # noqa: E402
 from grpo_patches.errors import ExactnessError  # noqa: E402
 from tests.helpers import tiny_variants  # noqa: E402
 from tests.helpers.faulty_plugins import WrongTiledHead  # noqa: E402
-from tests.helpers.trl_runs import needs_tiled  # noqa: E402
+from tests.helpers.trl_runs import needs_tiled, verify_figures  # noqa: E402
 from grpo_patches_testing.trl_train import train  # noqa: E402
 
 pytestmark = [pytest.mark.slow, needs_tiled]
 
-PREFIX = "grpo_patches/verify/"
 #: TRL's suite: ``learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
 #: gradient_accumulation_steps=2, max_completion_length=32`` (test_train_loss_types).
 SUITE = dict(learning_rate=0.1, per_device_train_batch_size=3, num_generations=3, gradient_accumulation_steps=2,
@@ -57,7 +56,7 @@ def verified(case: str, options: dict | None = None, **extra):
 def worst_over_tolerance(got) -> float:
     """No alarm on any verified step; the worst figure against the tolerance it was held to."""
     report = got.status["verify"]
-    rows = [{k[len(PREFIX):]: v for k, v in r.items() if k.startswith(PREFIX)} for r in got.log_history if "loss" in r]
+    rows = verify_figures(got)
     assert report["failures"] == [] and report["steps_verified"] >= 2, report
     assert got.notes()["tiled_loss"].startswith("on"), got.notes()["tiled_loss"]  # the configuration under test
     ratios = [r["grad_rel_diff"] / (verify.REFERENCE_FACTOR * r["grad_noise_floor"]) if "grad_noise_floor" in r

@@ -42,10 +42,10 @@ from grpo_patches.errors import GrpoPatchesError
 
 from . import FRAMEWORK, overrides, state, zero_advantage
 from .accumulation_window import window_index, window_length
+from .dropped_micro_batches import NOTE
 from .loss_modes import loss_mask
 from .row_subsets import is_multimodal
 
-from .dropped_micro_batches import NOTE
 #: Denominators under which moving a row to another micro-batch of the same size keeps its weight.
 EXACT_DENOMINATORS = ("fixed", "rows")
 #: Accelerate distributed types whose micro-steps may skip their backward (DDP reduces in the
@@ -94,7 +94,7 @@ def why_not(trainer: Any) -> str | None:
 
 
 def decide(trainer: Any) -> bool:
-    """Whether packing runs for ``trainer`` (decided on its first training micro-step).
+    """Whether packing runs for ``trainer`` (decided once, when the trainer is built: :mod:`.on_init`).
 
     :raises IncompatibleOptionsError: ``pack_kept_rows=True`` with a setting it cannot reproduce.
     """

@@ -101,6 +101,14 @@ class KeptRowsSpy:
         return self._per_step(value, total=True)
 
 
+def verify_figures(result) -> list[dict]:
+    """Verify mode's figures (``grpo_patches/verify/<name>``, prefix dropped) of each training log row."""
+    from grpo_patches.verify import METRIC_PREFIX
+
+    return [{k[len(METRIC_PREFIX):]: v for k, v in row.items() if k.startswith(METRIC_PREFIX)}
+            for row in result.log_history if "loss" in row]
+
+
 @functools.lru_cache(maxsize=None)
 def run(patched: bool, filter_value: object = True, dropped_rows_metrics: bool = False, **config: object):
     if patched:
