@@ -42,18 +42,20 @@ class GradientCheck:
     :ivar noise_floor: the unpatched gradient's distance from the reference, or from its repeat
         (half precision only); ``None`` without either.
     :ivar patched: whether the patched computation was kept.
+    :ivar reference_floor: the unpatched gradient's distance from the ``head_reference``, when one ran.
     """
 
     loss: "torch.Tensor"
     verdict: "core.Verdict"
     noise_floor: float | None
     patched: bool
+    reference_floor: float | None = None
 
 
 def compare_gradients(framework: str, optimizations: Sequence[str], step: int, params: Sequence["torch.Tensor"],
                       patched: Loss, unpatched: Loss, repeat: Loss | None = None, dtype: Any = None,
                       group: Any = None, detail: str = "", reference: Loss | None = None,
-                      exact: tuple[Loss, Loss] | None = None) -> GradientCheck:
+                      exact: tuple[Loss, Loss] | None = None, head_reference: Loss | None = None) -> GradientCheck:
     """Compare one micro-batch's gradient, patched vs unpatched, and choose the one to accumulate.
 
     Each callable computes a scalar loss on the same inputs and weights (module docstring).
@@ -63,6 +65,10 @@ def compare_gradients(framework: str, optimizations: Sequence[str], step: int, p
     :param reference: the unpatched computation in fp32, for a half ``dtype`` (preferred to ``repeat``).
     :param exact: ``(patched, unpatched)`` in fp32 for a configuration whose half-precision
         decisions are discontinuous: the verdict is theirs; ``unpatched`` runs only on a mismatch.
+    :param head_reference: without a ``reference``: the unpatched computation with only its lm-head
+        in fp32 (:mod:`grpo_patches.verify_fp32_head`, for the tiled loss), measured from as a
+        ``reference`` is, within :func:`grpo_patches.verify_fp32_head.tolerance` (``repeat`` kept);
+        it returns ``None`` where the framework never called the head (no reference, same on every rank).
 
     The figure ``grad_rel_diff`` is judged by :func:`~.verify.check` (agreed over ``group``'s
     ranks; raises with ``verify_action="raise"``).
@@ -74,7 +80,7 @@ def compare_gradients(framework: str, optimizations: Sequence[str], step: int, p
 
     loss_p = patched()
     grads_p = core.grads_of(loss_p, params)
-    floor, loss_u, grads_u = None, None, None
+    floor, loss_u, grads_u, head_floor = None, None, None, None
     if exact is not None:
         exact_p = core.grads_of(exact[0](), params)
         verdict = judge_gradients(framework, optimizations, step, exact_p, core.grads_of(exact[1](), params),
@@ -82,39 +88,48 @@ def compare_gradients(framework: str, optimizations: Sequence[str], step: int, p
     else:
         loss_u = unpatched()
         grads_u = core.grads_of(loss_u, params)
-        against = None
+        against, limit = None, None
         if core.needs_noise_floor(framework, dtype):
             if reference is not None:
                 against = core.grads_of(reference(), params)
                 floor = core.noise_floor(grads_u, against, group)
             elif repeat is not None:
                 floor = core.noise_floor(core.grads_of(repeat(), params), grads_u, group)
+            head_loss = head_reference() if reference is None and head_reference is not None else None
+            if head_loss is not None:
+                from grpo_patches import verify_fp32_head
+
+                against = core.grads_of(head_loss, params)
+                head_floor = core.noise_floor(grads_u, against, group)
+                limit = verify_fp32_head.tolerance(framework, dtype, head_floor, floor)
         verdict = judge_gradients(framework, optimizations, step, grads_p, grads_u, dtype=dtype, noise_floor=floor,
-                                  group=group, detail=detail, reference=against)
+                                  group=group, detail=detail, reference=against, limit=limit)
     if verdict.ok:
-        return GradientCheck(core.as_loss(loss_p, params, grads_p), verdict, floor, True)
+        return GradientCheck(core.as_loss(loss_p, params, grads_p), verdict, floor, True, head_floor)
     if loss_u is None:
         loss_u = unpatched()
         grads_u = core.grads_of(loss_u, params)
-    return GradientCheck(core.as_loss(loss_u, params, grads_u), verdict, floor, False)
+    return GradientCheck(core.as_loss(loss_u, params, grads_u), verdict, floor, False, head_floor)
 
 
 def judge_gradients(framework: str, optimizations: Sequence[str], step: int,
                     patched: Sequence["torch.Tensor | None"], unpatched: Sequence["torch.Tensor | None"],
                     dtype: Any = None, noise_floor: float | None = None, group: Any = None,
-                    detail: str = "", reference: Sequence["torch.Tensor | None"] | None = None) -> "core.Verdict":
+                    detail: str = "", reference: Sequence["torch.Tensor | None"] | None = None,
+                    limit: float | None = None) -> "core.Verdict":
     """:func:`compare_gradients`' verdict on gradients an adapter took itself: ``grad_rel_diff``
     (:func:`~.verify.rel_l2`, patched against ``reference`` when given, else against unpatched)
-    judged by :func:`~.verify.check` against :func:`~.verify.tolerance`.
+    judged by :func:`~.verify.check` against :func:`~.verify.tolerance` (or ``limit``, when the
+    adapter worked it out: :func:`grpo_patches.verify_fp32_head.tolerance`).
 
     For a framework whose own backward must produce them (NeMo-RL's FSDP2 worker: its
     gradients exist only as the reduce-scattered ``.grad`` of sharded parameters, which
     :func:`~.verify.grads_of` cannot reach); the adapter then leaves ``.grad`` as the chosen one
     alone would have left it."""
     measured = core.rel_l2(patched, reference if reference is not None else unpatched)
-    return core.check(framework, optimizations, step, "grad_rel_diff", measured,
-                      core.tolerance(framework, dtype, noise_floor, reference is not None), group=group,
-                      detail=detail)
+    if limit is None:
+        limit = core.tolerance(framework, dtype, noise_floor, reference is not None)
+    return core.check(framework, optimizations, step, "grad_rel_diff", measured, limit, group=group, detail=detail)
 
 
 def _fp32(detail: str) -> str:

@@ -8,10 +8,12 @@ the dtype's epsilon; the legacy actor, which has no equivalent repeat, to 10 tim
 * a faulty filter plugin is still caught, and the tolerance it failed is the measured floor's
   (below ``10 x eps``, the fallback used without a floor);
 * the tiled loss (its head in fp32, so it rounds less than verl's bf16 logits) under verl's
-  default mixed precision (fp32 weights, bf16 compute): no alarm on correct code (measured
-  0.28-0.30x the tolerance) and a head weight or temperature 5 % off caught (2.6-2.7x); a 2 %
-  weight lands at 1.1x (issue 33: the TRL false alarms do not occur here, the floor is verl's own
-  re-batched bf16 computation and the tiled loss is 2-3x from it).
+  default mixed precision (fp32 weights, bf16 compute) is judged against verl's computation with
+  its lm-head in fp32 (:mod:`grpo_patches.verify_fp32_head`): no alarm on correct code (measured
+  0.07-0.14x the tolerance; 0.28-0.30x under the re-batched floor alone) and a head weight or
+  temperature 5 % off caught (2.6-2.7x). Issue 33's false alarm reproduced: one row per
+  micro-batch (the re-batched repeat bitwise) and large logits put the tiled loss at 3.1x the
+  old rule's tolerance; against the fp32-head reference it is at 0.001x, and the wrong weight at 9.2x.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import torch  # noqa: E402
 
 import grpo_patches  # noqa: E402
 from grpo_patches import verify  # noqa: E402
+from grpo_patches import verify_fp32_head as fp32_head  # noqa: E402
 from tests.helpers.faulty_plugins import DropsANonZeroRow, past_the_contract  # noqa: E402
 from tests.helpers.verl_fixtures import fresh_verify_records, process_group  # noqa: E402,F401  (autouse)
 
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False, "verify_every": 1}
-GRAD, FLOOR = verify.METRIC_PREFIX + "grad_rel_diff", verify.NOISE_METRIC
+GRAD, FLOOR, REFERENCE = verify.METRIC_PREFIX + "grad_rel_diff", verify.NOISE_METRIC, fp32_head.REFERENCE_METRIC
 EPS_FALLBACK = verify.NOISE_FACTOR * 2.0 ** -7  # the tolerance without a measured floor
 LEGACY = h.line().startswith("legacy")
 
@@ -109,9 +112,87 @@ def test_bf16_tiled_loss_is_no_false_alarm_and_a_wrong_head_is_caught(tiled_run,
     finally:
         if plugin is not None:
             grpo_patches.plugin_manager().unregister(plugin)
-    ratios = [d / verify.tolerance("verl", torch.bfloat16, f) for d, f in zip(got.metrics[GRAD], got.metrics[FLOOR])]
+    ratios = [d / fp32_head.tolerance("verl", torch.bfloat16, r, f)
+              for d, r, f in zip(got.metrics[GRAD], got.metrics[REFERENCE], got.metrics[FLOOR])]
     record_property(f"bf16_tiled_verify_ratio_{fault}", max(ratios))
     if fault is None:
         assert len(ratios) == 2 and max(ratios) < 0.5 and not got.status["verify"]["failures"], ratios
     else:  # disable: switched off at its first step, the rest of the update verl's own
         assert ratios[0] > 1.5 and "tiled_loss" in got.status["verify"]["failures"][0], (ratios, got.status["verify"])
+
+
+@pytest.fixture(scope="module")
+def large_logits_run(tmp_path_factory):
+    """The tiled loss in bf16 where issue 33's false alarm occurred under the re-batched floor alone:
+    one row per micro-batch (verl's re-batched repeat is then bitwise, the floor clamps to a tenth
+    of the epsilon) and large logits (the final norm's weight x24), which verl's bf16 logits round far."""
+    if LEGACY:
+        pytest.skip("the engine line's tiled loss (the legacy actor's has its own tests)")
+    from transformers import AutoModelForCausalLM
+
+    root = str(tmp_path_factory.mktemp("verl_tiled_bf16_large_logits"))
+    model = AutoModelForCausalLM.from_pretrained(engine_runs.model_dir(root, fused=True))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(24.0)
+    path = f"{root}/large_logits"
+    model.save_pretrained(path)
+    worker = engine_runs.EngineWorker(path, fused=True, remove_padding=True, compute_dtype="bf16", mbs=1)
+    return lambda options: worker.run(options, n_mini=2)
+
+
+def test_bf16_tiled_loss_judged_against_the_fp32_head_reference(large_logits_run, record_property):
+    """The patched gradient is judged by its distance from verl's computation with the lm-head in fp32
+    (grpo_patches.verify_fp32_head), not from verl's bf16 one: the tiled loss rounds less than verl."""
+    from tests.helpers.faulty_plugins import WrongTiledHead
+
+    plain = large_logits_run({"zero_advantage_filter": False, "logprob_skip": False})
+    got = large_logits_run(TILED)
+    # the rule before: patched against verl's bf16 gradient, 10 x the re-batched floor (0 here, so eps / 10)
+    before = verify.rel_l2(got.grads[0], plain.grads[0]) / verify.tolerance("verl", torch.bfloat16, got.metrics[FLOOR][0])
+    ratios = [d / fp32_head.tolerance("verl", torch.bfloat16, r, f)
+              for d, r, f in zip(got.metrics[GRAD], got.metrics[REFERENCE], got.metrics[FLOOR])]
+    record_property("bf16_large_logits_ratio_before", before)
+    record_property("bf16_large_logits_ratio", max(ratios))
+    assert got.metrics[FLOOR][0] == 0.0 and before > 1.5, (before, got.metrics)  # the false alarm, reproduced
+    assert max(ratios) < 0.1 and not got.status["verify"]["failures"], (ratios, got.status["verify"])
+
+    grpo_patches.plugin_manager().register(fault := WrongTiledHead(weight=1.05))
+    try:
+        wrong = large_logits_run(TILED)
+    finally:
+        grpo_patches.plugin_manager().unregister(fault)
+    caught = wrong.metrics[GRAD][0] / fp32_head.tolerance("verl", torch.bfloat16, wrong.metrics[REFERENCE][0],
+                                                          wrong.metrics[FLOOR][0])
+    record_property("bf16_large_logits_fault_ratio", caught)
+    assert caught > 2 and "tiled_loss" in wrong.status["verify"]["failures"][-1], (caught, wrong.status["verify"])
+
+
+def test_legacy_bf16_tiled_loss_judged_against_the_fp32_head_reference(record_property):
+    """The legacy actor runs verl's update a third time with its lm-head in fp32; the patched
+    gradient of each optimizer step is measured from it (the tolerance: the larger of 2 x verl's
+    own distance from it and 10 x the epsilon, the rule without a reference). A head weight 5 %
+    off lands 7x farther than correct code, but inside 10 x the epsilon (0.6x): without a measured
+    floor this actor's bf16 check stays coarse (module docstring of verify_legacy)."""
+    if not LEGACY:
+        pytest.skip("the legacy actor (the engine line's tests are above)")
+    from tests.helpers.faulty_plugins import WrongTiledHead
+
+    options = {**FILTER, "tiled_loss": True, "verify_action": "disable"}
+    plain = h.legacy_run(None, n_mini=2, dtype=torch.bfloat16, fused=True)
+    got = h.legacy_run(options, n_mini=2, dtype=torch.bfloat16, fused=True)
+    # verl's update, the fp32-head reference, then the patched one: the last two gradients are the patched ones
+    assert len(got.grads) == 6, len(got.grads)
+    before = verify.rel_l2(got.grads[4], plain.grads[0]) / EPS_FALLBACK  # the rule without the reference
+    ratios = [d / fp32_head.tolerance("verl", torch.bfloat16, r, None)
+              for d, r in zip(got.metrics[GRAD], got.metrics[REFERENCE])]
+    record_property("legacy_bf16_tiled_verify_ratio_before", before)
+    record_property("legacy_bf16_tiled_verify_ratio", max(ratios))
+    assert len(ratios) == 2 and max(ratios) < 0.1 and not got.status["verify"]["failures"], (ratios, before)
+
+    grpo_patches.plugin_manager().register(fault := WrongTiledHead(weight=1.05))
+    try:
+        wrong = h.legacy_run(options, n_mini=2, dtype=torch.bfloat16, fused=True)
+    finally:
+        grpo_patches.plugin_manager().unregister(fault)
+    record_property("legacy_bf16_tiled_verify_ratio_weight", wrong.metrics[GRAD][0] / EPS_FALLBACK)
+    assert wrong.metrics[GRAD][0] > 5 * got.metrics[GRAD][0], (wrong.metrics, got.metrics)

@@ -28,7 +28,10 @@ driver flagged (:data:`~.state.VERIFY_PREV`, :mod:`.verify_driver`), :class:`Glo
    (in bf16 / fp16 held to 10 x the noise floor: NeMo-RL's unpatched computation once more,
    one row per micro-batch, ``grpo_patches/verify/grad_noise_floor``, never taken below a tenth
    of the epsilon, :func:`grpo_patches.verify.tolerance`; with sequence packing, whose forward
-   the layout changes, the epsilon stands in)
+   the layout changes, the epsilon stands in; with the tiled loss on, NeMo-RL's computation once
+   more with its lm-head in fp32, :mod:`grpo_patches.verify_fp32_head`: the gradient is then
+   measured from that reference, within the larger of 2 x NeMo-RL's own distance from it,
+   ``grpo_patches/verify/grad_reference_floor``, and the tolerance above)
    (:func:`grpo_patches.verify_gradients.judge_gradients`; not compared when the first check failed: the
    unpatched result is used then anyway, and the difference would be blamed on them);
 4. leaves ``.grad`` holding exactly the chosen gradient, the random state and NeMo-RL's
@@ -52,7 +55,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from grpo_patches import verify, verify_gradients, verify_log
+from grpo_patches import verify, verify_fp32_head as fp32_head, verify_gradients, verify_log
 from grpo_patches.call_args import CallArgs, bind
 from grpo_patches.errors import ExactnessError
 
@@ -187,11 +190,13 @@ class GlobalBatchCheck:
         start = verify.rng_state()
         patched = self.patched()
         plain = self.unpatched(start)
-        floor = None
+        floor, reference = None, None
         if self.names and self.train.rebatch is not None and verify.needs_noise_floor(FRAMEWORK.name, self.dtype):
             floor = verify.noise_floor(self.unpatched(start, self.train.rebatch)[1], plain[1], self.group)
-            self.train.figures[verify.NOISE_METRIC] = max(self.train.figures.get(verify.NOISE_METRIC, floor), floor)
-        failed = self.compare(patched[1], plain[1], floor)
+            self._figure(verify.NOISE_METRIC, floor)
+        if TILED in self.names and verify.needs_noise_floor(FRAMEWORK.name, self.dtype):
+            reference = self.fp32_head_reference(start)
+        failed = self.compare(patched[1], plain[1], floor, reference)
         results, grads, end = plain if failed else patched
         if failed:
             self.unsave()
@@ -201,7 +206,19 @@ class GlobalBatchCheck:
         verify.set_rng_state(end)
         return results
 
-    def compare(self, patched_grads: list, plain_grads: list, floor: float | None = None) -> list[str]:
+    def fp32_head_reference(self, start: Any) -> list | None:
+        """Half precision with the tiled loss on: NeMo-RL's unpatched computation with its lm-head in
+        fp32 (:mod:`grpo_patches.verify_fp32_head`), its gradient; ``None`` if the head never ran."""
+        with fp32_head.fp32_head(self.call["model"]) as calls:
+            grads = self.unpatched(start, self.train.remake)[1]
+        return grads if calls.count else None
+
+    def _figure(self, key: str, value: float) -> None:
+        figures = self.train.figures  # the largest over the call
+        figures[key] = max(figures.get(key, value), value)
+
+    def compare(self, patched_grads: list, plain_grads: list, floor: float | None = None,
+                reference: list | None = None) -> list[str]:
         """The checks, in the same order on every rank; the options a ``"disable"`` verdict switched off."""
         failed: list[str] = []
         if self.prev:
@@ -222,17 +239,24 @@ class GlobalBatchCheck:
                                      "logprob_skip=False")
             self.record(verify.Verdict(True, measured, limit, {verify.METRIC_PREFIX + quantity: measured}), [SKIP],
                         failed)
-        if self.names and not failed:
+        if self.names and not failed and reference is None:
             verdict = verify_gradients.judge_gradients(FRAMEWORK.name, self.names, self.step, patched_grads, plain_grads,
                                              dtype=self.dtype, noise_floor=floor, group=self.group,
                                              detail="the optimizer step's gradient against NeMo-RL's unpatched one")
             self.record(verdict, self.names, failed)
+        elif self.names and not failed:
+            reference_floor = verify.noise_floor(plain_grads, reference, self.group)
+            self._figure(fp32_head.REFERENCE_METRIC, reference_floor)
+            verdict = verify_gradients.judge_gradients(
+                FRAMEWORK.name, self.names, self.step, patched_grads, plain_grads, group=self.group,
+                reference=reference, limit=fp32_head.tolerance(FRAMEWORK.name, self.dtype, reference_floor, floor),
+                detail="the optimizer step's gradient against NeMo-RL's unpatched one with its lm-head in fp32")
+            self.record(verdict, self.names, failed)
         return failed
 
     def record(self, verdict: verify.Verdict, names: list[str], failed: list[str]) -> None:
-        figures = self.train.figures
         for key, value in verdict.metrics.items():
-            figures[key] = max(figures.get(key, value), value)
+            self._figure(key, value)
         if verdict.ok:
             return
         failed.extend(names)

@@ -64,6 +64,9 @@ PATCHES = (
     PatchTarget(GRPO_MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.tiled:compute_loss", versions=">=1.16",
                 option="tiled_loss"),
     PatchTarget(GRPO_MODULE, "GRPOTrainer.compute_loss", f"{_HERE}.verify:compute_loss", option="verify_every"),
+    # TRL's own chunked head: in fp32 within verify mode's fp32-head reference (bf16 weights), else passing through.
+    PatchTarget("trl.kernels.chunked_logprob", "ChunkedLogProbFunction.forward",
+                f"{_HERE}.verify_fp32_head:chunked_logprob_forward", versions=">=1.16", option="verify_every"),
 )
 
 ADAPTER = Adapter(name=FRAMEWORK.name, distribution="trl", versions_text="0.20 – 1.16", supported=">=0.20,<1.17",

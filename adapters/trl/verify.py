@@ -20,7 +20,9 @@ Trainer counts them), :class:`MicroStep`:
    (:mod:`.verify_precision`) is the reference and ``grpo_patches/verify/grad_noise_floor`` TRL's
    own bf16 distance from it; an entropy mask (discontinuous in bf16) is judged with both
    computations in fp32; over bf16 weights the unpatched computation is repeated with the rows
-   in reverse order (the noise floor).
+   in reverse order (the noise floor) and, with the tiled loss, run once more with only its
+   lm-head in fp32 (:mod:`grpo_patches.verify_fp32_head`): the patched gradient is measured
+   from that, within the larger of 2 x TRL's own distance from it and 10 x the floor.
 
 Every rank runs the same computations and :func:`grpo_patches.verify.check` agrees on each
 figure (one all-reduce), so all ranks reach the same verdict. The micro-step returns the chosen
@@ -49,6 +51,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, Mapping
 
 from grpo_patches import verify, verify_gradients
+from grpo_patches.verify_fp32_head import REFERENCE_METRIC, fp32_head
 from grpo_patches.call_args import bind
 
 from . import FRAMEWORK, logprob_pass, metrics, state, verify_precision, verify_rows
@@ -57,6 +60,11 @@ from .verify_trace import Trace
 
 #: The half-precision noise floor of the gradient comparison, logged next to it.
 NOISE_METRIC = verify.NOISE_METRIC
+
+
+#: A trainer whose TRL never calls its lm-head module (no fp32-head reference: :meth:`MicroStep.head_reference`).
+NO_HEAD_REFERENCE = "_grpo_patches_no_fp32_head_reference"
+HEAD_NOTE = "verify_reference"
 
 
 def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -127,6 +135,23 @@ class MicroStep:
         """TRL's loss in fp32 (autocast off; :meth:`on_policy_upstream`'s inputs), its trace dropped."""
         return self.unpatched(self.on_policy_upstream(), fp32=True)[0]
 
+    def head_reference(self) -> Any:
+        """TRL's loss with only its lm-head in fp32 (bf16 weights leave no fp32 computation:
+        :mod:`grpo_patches.verify_fp32_head`; :meth:`on_policy_upstream`'s inputs), its trace
+        dropped (TRL 1.16's own chunked head: :mod:`.verify_fp32_head`); ``None`` where neither the
+        head module nor that kernel ran (said in ``status()`` once, not run again in this trainer)."""
+        if getattr(self.trainer, NO_HEAD_REFERENCE, False):
+            return None
+        with fp32_head(self.model) as calls:
+            loss = self.unpatched(self.on_policy_upstream())[0]
+        if calls.count:
+            return loss
+        setattr(self.trainer, NO_HEAD_REFERENCE, True)
+        FRAMEWORK.note(HEAD_NOTE, "bf16 weights with the tiled loss: judged against the reversed-rows floor only (TRL "
+                                  "computed its log-probs without its lm-head module or its chunked kernel, so there is "
+                                  "no fp32-head reference to run)", owner=self.trainer)
+        return None
+
     def patched_fp32(self) -> Any:
         """The patched computation again, autocast off (its trace dropped), its entropy masks recorded."""
         verify.set_rng_state(self.start)
@@ -186,6 +211,7 @@ class MicroStep:
             patched=lambda: patched_loss, unpatched=unpatched,
             repeat=None if is_multimodal(self.inputs) else repeat,
             reference=self.reference if fp32 else None,
+            head_reference=self.head_reference if "tiled_loss" in names else None,
             exact=(self.patched_fp32, self.unpatched_fp32) if flips else None,
             dtype=verify_rows.compute_dtype(self.trainer),
             detail="the micro-step's gradient against TRL's unpatched loss" + (
@@ -195,6 +221,8 @@ class MicroStep:
         self.figures.update(result.verdict.metrics)
         if result.noise_floor is not None:
             self.figures[NOISE_METRIC] = result.noise_floor
+        if result.reference_floor is not None:
+            self.figures[REFERENCE_METRIC] = result.reference_floor
         entropies = self.masks.max_abs_diff()
         if result.patched and entropies is not None:  # the entropies the replayed masks came from
             verdict = verify.check(FRAMEWORK.name, names, self.step, "entropy_max_abs_diff", entropies,

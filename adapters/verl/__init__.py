@@ -152,7 +152,8 @@ _ENGINE = (
 
 #: The fused-kernel lm-head calls the tiled loss answers (both lines; FSDP and Megatron).
 _FUSED_KERNELS = (
-    *_stack(FUSED, "FusedLinearForPPO.forward", ("tiled:forward", None, "tiled_loss")),
+    *_stack(FUSED, "FusedLinearForPPO.forward", ("tiled:forward", None, "tiled_loss"),
+            ("verify_fp32_head:forward", None, "verify_every")),
     *_stack(MCORE_FUSED, "linear_cross_entropy", ("tiled_megatron:linear_cross_entropy", None, "tiled_loss")),
 )
 

@@ -19,7 +19,11 @@ the steps :func:`grpo_patches.verify.due` picks runs :class:`EngineStep`:
 4. the mini-batch's gradient, patched vs verl's (``.grad`` as each run's own backward left it,
    FSDP's reduce-scatter included): ``grpo_patches/verify/grad_rel_diff`` (relative L2). In
    bf16 / fp16 verl's computation runs once more, re-batched, for the noise floor the tolerance
-   is 10 times of (``grpo_patches/verify/grad_noise_floor``, :func:`grpo_patches.verify.tolerance`).
+   is 10 times of (``grpo_patches/verify/grad_noise_floor``, :func:`grpo_patches.verify.tolerance`);
+   with the tiled loss on, once more with its lm-head in fp32 (:mod:`grpo_patches.verify_fp32_head`,
+   :mod:`.verify_fp32_head`): the patched gradient is then measured from that reference, within
+   the larger of 2 x verl's own distance from it (``grpo_patches/verify/grad_reference_floor``) and
+   10 x the floor (the tiled loss rounds less than verl's bf16 logits: never a difference).
 
 The step then leaves ``.grad``, the random state, the savings totals and the output (verl's
 metrics) as the chosen computation left them, plus the figures in verl's metrics (one value
@@ -39,6 +43,7 @@ import functools
 from typing import Any, Callable
 
 from grpo_patches import verify as core
+from grpo_patches import verify_fp32_head as fp32_head
 from grpo_patches.call_args import bind
 from grpo_patches.errors import ExactnessError
 from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, totals
@@ -124,6 +129,8 @@ class EngineStep:
         grads_u, rng_u = shared.grads(self.params), core.rng_state()
         floor = self._noise_floor(upstream, grads_u, start_grads, start_rng) \
             if core.needs_noise_floor(FRAMEWORK.name, self.dtype) else None
+        reference = self._fp32_head_reference(upstream, start_grads, start_rng) \
+            if "tiled_loss" in names and floor is not None else None
 
         verdicts = []  # (verdict, the options it covers)
         if self.substituted:
@@ -140,8 +147,16 @@ class EngineStep:
                                      "restart with logprob_skip=False")
             verdicts.append((verdict, ["logprob_skip"]))
         grad_names = names + (["logprob_skip"] if self.substituted or self.reference_skipped else [])
-        verdicts.append(self._check(grad_names, "grad_rel_diff", core.rel_l2(grads_p, grads_u),
-                                    "the mini-batch's gradient against verl's unpatched update", floor))
+        if reference is None:
+            verdicts.append(self._check(grad_names, "grad_rel_diff", core.rel_l2(grads_p, grads_u),
+                                        "the mini-batch's gradient against verl's unpatched update", floor))
+        else:
+            reference_floor = core.noise_floor(grads_u, reference, self.group)
+            self.figures[fp32_head.REFERENCE_METRIC] = reference_floor
+            verdicts.append(self._check(grad_names, "grad_rel_diff", core.rel_l2(grads_p, reference),
+                                        "the mini-batch's gradient against verl's unpatched update with its lm-head "
+                                        "in fp32", limit=fp32_head.tolerance(FRAMEWORK.name, self.dtype,
+                                                                             reference_floor, floor)))
         if all(v.ok for v, _ in verdicts):
             shared.set_grads(self.params, grads_p)
             core.set_rng_state(rng_p)
@@ -170,9 +185,20 @@ class EngineStep:
         self.figures[core.NOISE_METRIC] = floor
         return floor
 
+    def _fp32_head_reference(self, upstream: Any, start_grads: list, start_rng: Any) -> list | None:
+        """Half precision with the tiled loss on: verl's unpatched computation with its lm-head in
+        fp32 (:mod:`grpo_patches.verify_fp32_head`), its gradient; ``None`` when verl never called the
+        head (fused kernels take its weight themselves). The caller then sets ``.grad`` and the random state."""
+        shared.set_grads(self.params, shared.copies(start_grads))
+        core.set_rng_state(start_rng)
+        loss_function = self._loss_with_and_without_kl([]) if self.reference_skipped else self.loss_function
+        with FRAMEWORK.unpatched(), fp32_head.fp32_head(self.engine.module) as calls:
+            self.wrapped(upstream, loss_function, False)
+        return shared.grads(self.params) if calls.count else None
+
     def _check(self, names: list[str], quantity: str, measured: float, detail: str,
-               floor: float | None = None) -> tuple:
-        limit = core.tolerance(FRAMEWORK.name, self.dtype, floor)
+               floor: float | None = None, limit: float | None = None) -> tuple:
+        limit = core.tolerance(FRAMEWORK.name, self.dtype, floor) if limit is None else limit
         verdict = core.check(FRAMEWORK.name, names, self.step, quantity, measured, limit, group=self.group, detail=detail)
         self.figures.update(verdict.metrics)
         return verdict, names

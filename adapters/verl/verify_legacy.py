@@ -15,6 +15,12 @@ is due (:func:`grpo_patches.verify.due`, steps counted 0-based per actor):
    raises before that step's update; ``"disable"`` stops the patched update and leaves the
    actor as verl's own update left it (its metrics too), the options switched off.
 
+With the tiled loss in bf16 / fp16 verl's update runs a third time, with its lm-head in fp32
+(:mod:`grpo_patches.verify_fp32_head`), and each patched gradient is measured from that
+reference's, within the larger of 2 x verl's own distance from it
+(``grpo_patches/verify/grad_reference_floor``) and the tolerance below: the tiled loss rounds
+less than verl's bf16 logits, which is never a difference.
+
 In bf16 / fp16 the tolerance is 10 x the dtype's epsilon (:func:`grpo_patches.verify.tolerance`
 without a floor), not a measured noise floor: this actor's loss is a token mean per micro-batch
 scaled by ``1/gradient_accumulation``, so verl has no re-batched computation of the same
@@ -29,7 +35,8 @@ A skipped old-logprob pass (0.7) needs no comparison of its own here: verl's leg
 ignores old log-probs on the one-mini-batch, one-epoch updates the skip is limited to
 (``old_log_prob = log_prob.detach()``), so the loss uses the same values patched or not; the
 gradient comparison covers the rest. Cost: two updates, plus copies of the weights and the
-optimizer state (the unpatched end state is kept until the patched update has passed).
+optimizer state (the unpatched end state is kept until the patched update has passed); three
+updates with the tiled loss in half precision.
 """
 
 from __future__ import annotations
@@ -39,10 +46,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from grpo_patches import verify as core
+from grpo_patches import verify_fp32_head as fp32_head
 from grpo_patches.call_args import bind
 from grpo_patches.savings_totals import add_to_totals, reset as reset_totals, totals
 
-from . import FRAMEWORK, state
+from . import FRAMEWORK, state, tiled
 from . import verify as shared
 
 
@@ -100,8 +108,10 @@ class LegacyStep:
 
         self.reference_skipped = zero_coefficient(actor.config) and "ref_log_prob" not in data.batch.keys()
         self.figures: list[float] = []
+        self.reference_floors: list[float] = []
         self.failed: list[str] = []
         self.reference: list = []
+        self.fp32_head: list | None = None
 
     def _state(self) -> _State:
         return _State([p.detach().clone() for p in self.params], shared.copies(shared.grads(self.params)),
@@ -132,6 +142,9 @@ class LegacyStep:
         self.reference = verls.grads
         end_u = self._state()
         self._restore(start)
+        if tiled.enabled() and core.needs_noise_floor(FRAMEWORK.name, _dtype(self.actor)):  # decided in the update
+            self.fp32_head = self._fp32_head_reference()
+            self._restore(start)
         try:
             with state.in_update(verify=state.VerifyCapture(self.actor, compare=self.compare)):
                 out_p = self.wrapped(*self.args, **self.kwargs)
@@ -143,16 +156,30 @@ class LegacyStep:
             return self._finish(out_u, sorted(set(self.failed)))
         return self._finish(out_p, [])
 
+    def _fp32_head_reference(self) -> list | None:
+        """verl's update again with its lm-head in fp32 (:mod:`grpo_patches.verify_fp32_head`): the
+        gradient before each optimizer step; ``None`` if the head never ran in fp32."""
+        capture = state.VerifyCapture(self.actor)
+        with state.in_update(verify=capture), FRAMEWORK.unpatched(), \
+                fp32_head.fp32_head(self.actor.actor_module) as calls:
+            self.wrapped(self._verls_inputs())
+        return capture.grads if calls.count else None
+
     def names(self) -> list[str]:
         return shared.optimizations_on(self.actor) + (["logprob_skip"] if self.reference_skipped else [])
 
     def compare(self, index: int, grads: list) -> None:
         """The patched update's gradient before optimizer step ``index`` against verl's (every rank alike)."""
-        names = self.names()
-        verdict = core.check(FRAMEWORK.name, names, self.first + index, "grad_rel_diff",
-                             core.rel_l2(grads, self.reference[index]),
-                             core.tolerance(FRAMEWORK.name, _dtype(self.actor)), group=self.group,
-                             detail="the optimizer step's gradient against verl's unpatched update_policy")
+        names, dtype = self.names(), _dtype(self.actor)
+        against, limit = self.reference[index], core.tolerance(FRAMEWORK.name, dtype)
+        detail = "the optimizer step's gradient against verl's unpatched update_policy"
+        if self.fp32_head is not None and "tiled_loss" in names:  # in half precision: against verl's, lm-head in fp32
+            against = self.fp32_head[index]
+            floor = core.noise_floor(self.reference[index], against, self.group)
+            self.reference_floors.append(floor)
+            limit, detail = fp32_head.tolerance(FRAMEWORK.name, dtype, floor, None), detail + " with its lm-head in fp32"
+        verdict = core.check(FRAMEWORK.name, names, self.first + index, "grad_rel_diff", core.rel_l2(grads, against),
+                             limit, group=self.group, detail=detail)
         self.figures.append(verdict.measured)
         if not verdict.ok:
             self.failed.extend(names)
@@ -161,6 +188,8 @@ class LegacyStep:
     def _finish(self, out: dict, switched_off: list[str]) -> dict:
         if self.figures:
             out[core.METRIC_PREFIX + "grad_rel_diff"] = list(self.figures)
+        if self.reference_floors:
+            out[fp32_head.REFERENCE_METRIC] = list(self.reference_floors)
         shared.mark_switched_off(out, switched_off)
         return out
 

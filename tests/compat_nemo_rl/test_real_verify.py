@@ -61,6 +61,16 @@ def test_bf16_with_the_tiled_loss_is_no_false_alarm(record_property):
 
 
 @needs_new
+def test_bf16_tiled_false_alarm_without_the_fp32_head_reference(record_property):
+    """Issue 33's false alarm, reproduced: one row per micro-batch (the re-batched repeat is then
+    bitwise: the floor clamps to a tenth of the epsilon) and large logits (the final norm x64),
+    which NeMo-RL's bf16 logits round far. Judged against the fp32-head reference it is gone."""
+    large_logits = functools.partial(harness.real_worker, norm_scale=64.0)
+    ratios = cases.bf16_tiled_is_no_false_alarm(TAG, large_logits, record_property, mbs=1, label="large_logits_")
+    assert ratios["before"] > 1.5 and ratios["correct"] < 0.1, ratios
+
+
+@needs_new
 def test_a_faulty_filter_is_caught_on_the_first_verify_step():
     cases.faulty_filter_raises(TAG, harness.real_worker)
 

@@ -111,25 +111,36 @@ def bf16_is_held_to_the_noise_floor(tag: str, factory: Factory, record_property:
 
 
 
-def bf16_tiled_is_no_false_alarm(tag: str, factory: Factory, record_property: Callable) -> None:
+def bf16_tiled_is_no_false_alarm(tag: str, factory: Factory, record_property: Callable, mbs: int = 2,
+                                 label: str = "") -> dict[str, float]:
     """bf16 with the tiled loss (its head in fp32: it rounds less than NeMo-RL's bf16 logits, the
-    case of issue 33's false alarms in TRL): correct code stays well inside 10 x the measured
-    noise floor, and a head weight 5 % off is caught (``"disable"``: switched off, not raised)."""
-    from grpo_patches import verify
+    case of issue 33's false alarms in TRL), judged against NeMo-RL's computation with its lm-head
+    in fp32 (:mod:`grpo_patches.verify_fp32_head`): correct code stays well inside the tolerance,
+    and a head weight 5 % off is caught (``"disable"``: switched off, not raised). Returns each
+    case's ratio to the tolerance, and ``"before"``: the correct case's under the rule without the
+    reference (patched against NeMo-RL's bf16 gradient, 10 x the re-batched floor)."""
+    from grpo_patches import verify, verify_fp32_head as fp32_head
     from tests.helpers.faulty_plugins import WrongTiledHead
 
     half = functools.partial(factory, dtype=torch.bfloat16)
     options = {"zero_advantage_filter": True, "tiled_loss": True, "verify_every": 1, "verify_action": "disable"}
     batch = on_policy_batch(tag, half)
+    plain = train(tag, half, batch, None, gbs=6, mbs=mbs)
     ratios = {}
     for name, plugins in (("correct", ()), ("weight_5pct", (WrongTiledHead(weight=1.05),))):
-        got = train(tag, half, batch, options, gbs=6, mbs=2, plugins=plugins)
+        got = train(tag, half, batch, options, gbs=6, mbs=mbs, plugins=plugins)
         diff, floor = got.metrics[PREFIX + "grad_rel_diff"][0], got.metrics[verify.NOISE_METRIC][0]
-        ratios[name] = diff / verify.tolerance("nemo_rl", torch.bfloat16, floor)
-        record_property(f"bf16_tiled_verify_ratio_{name}", ratios[name])
+        reference = got.metrics[fp32_head.REFERENCE_METRIC][0]
+        ratios[name] = diff / fp32_head.tolerance("nemo_rl", torch.bfloat16, reference, floor)
+        if name == "correct":  # the first optimizer step starts from the same weights in both runs
+            before = verify.rel_l2([got.step_grads[0]], [plain.step_grads[0]])
+            ratios["before"] = before / verify.tolerance("nemo_rl", torch.bfloat16, floor)
         failures = got.status["verify"]["failures"]
         assert (failures == []) == (name == "correct"), (name, failures, ratios)
+    for name, ratio in ratios.items():
+        record_property(f"bf16_tiled_verify_ratio_{label}{name}", ratio)
     assert ratios["correct"] < 0.5 < 1.5 < ratios["weight_5pct"], ratios
+    return ratios
 
 
 def faulty_filter_raises(tag: str, factory: Factory) -> None:

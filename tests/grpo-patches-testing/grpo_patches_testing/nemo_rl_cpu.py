@@ -116,9 +116,10 @@ def tiny_qwen2(tied: bool = False, seed: int = 0) -> Any:
 
 
 def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, temperature: float | None = None,
-                tied: bool = False, fsdp: bool = False, dp: int = 1, dtype: Any = None) -> Any:
+                tied: bool = False, fsdp: bool = False, dp: int = 1, dtype: Any = None, norm_scale: float = 1.0) -> Any:
     """The real worker object with a fresh tiny Qwen2 (same seed every time); ``dtype``: its
-    parameters and compute dtype (fp32 by default)."""
+    parameters and compute dtype (fp32 by default); ``norm_scale``: the final norm's weight
+    multiplied by it (large logits)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -126,7 +127,10 @@ def real_worker(tag_name: str, gbs: int, mbs: int, *, dynamic: bool = False, tem
 
     init_gloo()
     dtype = dtype or torch.float32
-    model = tiny_qwen2(tied=tied).to(dtype)
+    model = tiny_qwen2(tied=tied)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(norm_scale)
+    model = model.to(dtype)
     mesh = init_device_mesh("cpu", (dp, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
     if fsdp:
         from torch.distributed.fsdp import fully_shard
