@@ -12,6 +12,7 @@ time of each and the ratio verified / patched, with the largest verify figures s
 
     compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py           # hidden 256, 4 layers, 5 rounds
     compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py --quick   # a smoke run (the one in benchmarks/RESULTS.md)
+    compat/.nox/cpu-verl-0-9-1/bin/python benchmarks/verl_verify.py --bf16-tiled   # bf16 compute, the tiled loss
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _model_dir(root: str, spec: dict) -> str:
+def _model_dir(root: str, spec: dict, fused: bool = False) -> str:
+    """The model saved for the engine; ``fused``: as the tests' model type of its own (verl's fused-kernel
+    forward patches that class, which the tiled loss needs)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from grpo_patches_testing.verl_actor_runs import fused_types
+
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=2 * spec["hidden"],
-                         num_hidden_layers=spec["layers"], num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=1024, tie_word_embeddings=True, attn_implementation="eager")
+    config_class, model_class = fused_types() if fused else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_class(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=2 * spec["hidden"],
+                          num_hidden_layers=spec["layers"], num_attention_heads=8, num_key_value_heads=4,
+                          max_position_embeddings=1024, tie_word_embeddings=True, attn_implementation="eager")
     path = str(Path(root) / "model")
-    Qwen2ForCausalLM(config).float().save_pretrained(path)
+    model_class(config).float().save_pretrained(path)
     return path
 
 
@@ -65,6 +71,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip", action="store_true", help="one mini-batch after a skipped old-logprob pass")
+    parser.add_argument("--bf16-tiled", action="store_true",
+                        help="verl's default mixed precision (fp32 weights, bf16 compute) with the tiled loss on: "
+                             "the verify step also runs the re-batched repeat and the fp32-head reference")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     spec = {"hidden": 256, "layers": 4, "vocab": 8192, "rows": 32, "prompt": 16, "response": 64, "micro": 4}
@@ -81,9 +90,12 @@ def main() -> None:
     torch.set_num_threads(2)
     engine_runs.engine_setup()
     options = {"logprob_skip": True} if args.skip else {"zero_advantage_filter": True, "logprob_skip": False}
+    if args.bf16_tiled:
+        options["tiled_loss"] = True
     variants = {"patched": options, "verified": {**options, "verify_every": 1}}
-    worker = engine_runs.EngineWorker(_model_dir(tempfile.mkdtemp(prefix="grpo_verl_verify_"), spec), mbs=spec["micro"],
-                            max_tokens=4096)
+    path = _model_dir(tempfile.mkdtemp(prefix="grpo_verl_verify_"), spec, fused=args.bf16_tiled)
+    precision = dict(fused=True, remove_padding=True, compute_dtype="bf16") if args.bf16_tiled else {}
+    worker = engine_runs.EngineWorker(path, mbs=spec["micro"], max_tokens=4096, **precision)
     times: dict = {name: [] for name in variants}
     figures: dict = {}
     for round_ in range(args.rounds + 1):  # round 0: the warm-up of each variant, not timed
@@ -107,8 +119,9 @@ def main() -> None:
     from importlib import metadata
 
     result = {"verl": metadata.version("verl"), "torch": metadata.version("torch"), "spec": spec, "skip": args.skip,
-              "rounds": args.rounds, "median_s": medians, "ratio": ratio, "times_s": times, "verify_figures": figures}
-    path = args.out / f"verl_verify{'_skip' if args.skip else ''}.json"
+              "bf16_tiled": args.bf16_tiled, "rounds": args.rounds, "median_s": medians, "ratio": ratio,
+              "times_s": times, "verify_figures": figures}
+    path = args.out / f"verl_verify{'_skip' if args.skip else ''}{'_bf16_tiled' if args.bf16_tiled else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 
