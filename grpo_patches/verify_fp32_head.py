@@ -46,28 +46,40 @@ def output_head(model: Any) -> Any:
 
 class HeadCalls:
     """How many times the head ran in fp32: 0 means the framework never called it (another
-    kernel took the lm-head weight itself), so the run is no reference."""
+    kernel took the lm-head weight itself), so the run is no reference. ``tiled_aside``: the
+    patched computation runs, its tiled loss stepping aside for the framework's head (:func:`tiled_aside`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tiled_aside: bool = False) -> None:
         self.count = 0
+        self.tiled_aside = tiled_aside
 
 
 #: The fp32-head reference computation running in this context (its count), else ``None``.
 REFERENCE: CallSlot[HeadCalls] = CallSlot("verify.fp32_head")
 
 
+def tiled_aside() -> bool:
+    """Whether the tiled loss steps aside here: the patched computation runs as the reference of
+    the tiled loss alone (every other optimization on, the framework's head in fp32)."""
+    calls = REFERENCE.current()
+    return calls is not None and calls.tiled_aside
+
+
 @contextmanager
-def fp32_head(model: Any) -> Iterator[HeadCalls]:
+def fp32_head(model: Any, tiled_aside: bool = False) -> Iterator[HeadCalls]:
     """For the duration, ``model``'s output head computes its logits in fp32 (autocast off) from
     the half-precision hidden state and weight it is given (the unsharded weight: FSDP's hooks
     fire as usual around the instance-level ``forward``); its gradients flow back in their dtypes.
 
     A framework whose fused kernel takes the lm-head weight itself (verl's ``FusedLinearForPPO``)
-    has a verify record there that computes in fp32 while :data:`REFERENCE` is entered (:func:`fp32`)."""
+    has a verify record there that computes in fp32 while :data:`REFERENCE` is entered (:func:`kernel_call`).
+    ``tiled_aside``: the block runs the patched computation, whose tiled loss steps aside
+    (:func:`tiled_aside`): the reference of the tiled loss alone, in the layout the other
+    optimizations give the rows."""
     import torch.nn.functional as F
 
     head = output_head(model)
-    with REFERENCE.entered(HeadCalls()) as calls:
+    with REFERENCE.entered(HeadCalls(tiled_aside)) as calls:
         if head is None or "forward" in vars(head):  # none, or another forward swapped in already
             yield calls
             return

@@ -40,7 +40,11 @@ def test_a_head_never_called_counts_zero_and_an_already_swapped_one_is_left_alon
     model = TinyLM()
     with fp32_head.fp32_head(model) as calls:
         model.body(torch.randn(2, 8))
+        assert not fp32_head.tiled_aside()
     assert calls.count == 0  # no reference: the framework took the weight itself
+    with fp32_head.fp32_head(model, tiled_aside=True):  # the patched computation, its tiled loss stepping aside
+        assert fp32_head.tiled_aside()
+    assert not fp32_head.tiled_aside()
 
     def own(hidden):
         return hidden

@@ -37,6 +37,7 @@ from tests.helpers.verl_fixtures import fresh_verify_records, process_group  # n
 
 FILTER = {"zero_advantage_filter": True, "logprob_skip": False, "verify_every": 1}
 GRAD, FLOOR, REFERENCE = verify.METRIC_PREFIX + "grad_rel_diff", verify.NOISE_METRIC, fp32_head.REFERENCE_METRIC
+TILED_GRAD = verify.METRIC_PREFIX + "tiled_grad_rel_diff"
 EPS_FALLBACK = verify.NOISE_FACTOR * 2.0 ** -7  # the tolerance without a measured floor
 LEGACY = h.line().startswith("legacy")
 
@@ -168,31 +169,36 @@ def test_bf16_tiled_loss_judged_against_the_fp32_head_reference(large_logits_run
 
 
 def test_legacy_bf16_tiled_loss_judged_against_the_fp32_head_reference(record_property):
-    """The legacy actor runs verl's update a third time with its lm-head in fp32; the patched
-    gradient of each optimizer step is measured from it (the tolerance: the larger of 2 x verl's
-    own distance from it and 10 x the epsilon, the rule without a reference). A head weight 5 %
-    off lands 7x farther than correct code, but inside 10 x the epsilon (0.6x): without a measured
-    floor this actor's bf16 check stays coarse (module docstring of verify_legacy)."""
+    """The legacy actor runs two more updates: verl's with its lm-head in fp32, and the patched one
+    with verl's lm-head in fp32 in place of the tiled loss. The tiled loss alone is measured from the
+    second (``tiled_grad_rel_diff``, within 2 x verl's own bf16 distance from the first); the whole
+    update from the first (within the larger of 2 x that and 10 x the epsilon). Measured: correct code
+    0.0 (tiled alone: bitwise) and 0.08x (the whole update); a head weight 5 % off, which the
+    whole-update check alone missed (0.6x of 10 x the epsilon), is caught at 2.1x."""
     if not LEGACY:
         pytest.skip("the legacy actor (the engine line's tests are above)")
     from tests.helpers.faulty_plugins import WrongTiledHead
 
     options = {**FILTER, "tiled_loss": True, "verify_action": "disable"}
-    plain = h.legacy_run(None, n_mini=2, dtype=torch.bfloat16, fused=True)
     got = h.legacy_run(options, n_mini=2, dtype=torch.bfloat16, fused=True)
-    # verl's update, the fp32-head reference, then the patched one: the last two gradients are the patched ones
-    assert len(got.grads) == 6, len(got.grads)
-    before = verify.rel_l2(got.grads[4], plain.grads[0]) / EPS_FALLBACK  # the rule without the reference
-    ratios = [d / fp32_head.tolerance("verl", torch.bfloat16, r, None)
-              for d, r in zip(got.metrics[GRAD], got.metrics[REFERENCE])]
-    record_property("legacy_bf16_tiled_verify_ratio_before", before)
-    record_property("legacy_bf16_tiled_verify_ratio", max(ratios))
-    assert len(ratios) == 2 and max(ratios) < 0.1 and not got.status["verify"]["failures"], (ratios, before)
+    # verl's update, its fp32-head reference, the tiled-aside one, then the patched one: 4 x 2 optimizer steps
+    assert len(got.grads) == 8, len(got.grads)
+    tiled = [d / verify.tolerance("verl", torch.bfloat16, r, reference=True)
+             for d, r in zip(got.metrics[TILED_GRAD], got.metrics[REFERENCE])]
+    whole = [d / fp32_head.tolerance("verl", torch.bfloat16, r, None)
+             for d, r in zip(got.metrics[GRAD], got.metrics[REFERENCE])]
+    record_property("legacy_bf16_tiled_alone_ratio", max(tiled))
+    record_property("legacy_bf16_tiled_verify_ratio", max(whole))
+    assert len(tiled) == len(whole) == 2 and max(tiled) < 0.1 and max(whole) < 0.2, (tiled, whole)
+    assert not got.status["verify"]["failures"]
 
     grpo_patches.plugin_manager().register(fault := WrongTiledHead(weight=1.05))
     try:
         wrong = h.legacy_run(options, n_mini=2, dtype=torch.bfloat16, fused=True)
     finally:
         grpo_patches.plugin_manager().unregister(fault)
-    record_property("legacy_bf16_tiled_verify_ratio_weight", wrong.metrics[GRAD][0] / EPS_FALLBACK)
-    assert wrong.metrics[GRAD][0] > 5 * got.metrics[GRAD][0], (wrong.metrics, got.metrics)
+    caught = wrong.metrics[TILED_GRAD][0] / verify.tolerance("verl", torch.bfloat16, wrong.metrics[REFERENCE][0],
+                                                             reference=True)
+    record_property("legacy_bf16_tiled_alone_fault_ratio", caught)
+    assert caught > 1.5 and wrong.status["verify"]["failures"][-1].startswith("step 0: tiled_loss:"), (
+        caught, wrong.status["verify"])

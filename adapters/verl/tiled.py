@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from grpo_patches.call_args import bind
+from grpo_patches.verify_fp32_head import tiled_aside
 
 from . import FRAMEWORK, state
 from .loss_modes import loss_mode_of
@@ -131,7 +132,7 @@ def forward(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dic
     import torch
 
     call = state.micro_batch().tiled
-    if call is None or call.loss is not None or call.declined or not torch.is_grad_enabled():
+    if call is None or call.loss is not None or call.declined or not torch.is_grad_enabled() or tiled_aside():
         return wrapped(*args, **kwargs)
     given = bind(wrapped, args, kwargs)
     out = compute(call, given["hidden_states"], given["vocab_weights"], given["input_ids"], float(given["temperature"]))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from grpo_patches.verify_fp32_head import tiled_aside
+
 from . import state, tiled
 
 
@@ -41,7 +43,8 @@ def _tiled_policy_loss(fn: Callable[..., Any], call: state.TiledCall, *args: Any
         update.pending.pop()
     pg_loss, metrics = fn(*args, **kwargs)
     if call.loss is None:  # verl's own forward ran (with its gradient): nothing to replace
-        tiled.decline(call.owner, call.declined or "verl's forward did not call FusedLinearForPPO", "a micro-batch")
+        if not tiled_aside():  # (verify mode's reference of the tiled loss: no decline)
+            tiled.decline(call.owner, call.declined or "verl's forward did not call FusedLinearForPPO", "a micro-batch")
         return pg_loss, metrics
     _check_inputs(call, kwargs)
     # verl's value, the tiled loss's gradient, and (exactly 0) a path through the model's output

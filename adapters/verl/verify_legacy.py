@@ -15,11 +15,14 @@ is due (:func:`grpo_patches.verify.due`, steps counted 0-based per actor):
    raises before that step's update; ``"disable"`` stops the patched update and leaves the
    actor as verl's own update left it (its metrics too), the options switched off.
 
-With the tiled loss in bf16 / fp16 verl's update runs a third time, with its lm-head in fp32
-(:mod:`grpo_patches.verify_fp32_head`), and each patched gradient is measured from that
-reference's, within the larger of 2 x verl's own distance from it
-(``grpo_patches/verify/grad_reference_floor``) and the tolerance below: the tiled loss rounds
-less than verl's bf16 logits, which is never a difference.
+With the tiled loss in bf16 / fp16 two more updates run (:mod:`grpo_patches.verify_fp32_head`):
+verl's with its lm-head in fp32, and the patched one with verl's lm-head in fp32 in place of the
+tiled loss. Before each optimizer step the tiled loss alone is checked first: the patched gradient
+against the second, within 2 x verl's own bf16 distance from the first
+(``grpo_patches/verify/tiled_grad_rel_diff``; ``grad_reference_floor``): the rows lie alike in
+both, so only the head differs. Then the whole update, as below but measured from the first,
+within the larger of 2 x that distance and 10 x the epsilon: the tiled loss rounds less than
+verl's bf16 logits, which is never a difference.
 
 In bf16 / fp16 the tolerance is 10 x the dtype's epsilon (:func:`grpo_patches.verify.tolerance`
 without a floor), not a measured noise floor: this actor's loss is a token mean per micro-batch
@@ -35,7 +38,7 @@ A skipped old-logprob pass (0.7) needs no comparison of its own here: verl's leg
 ignores old log-probs on the one-mini-batch, one-epoch updates the skip is limited to
 (``old_log_prob = log_prob.detach()``), so the loss uses the same values patched or not; the
 gradient comparison covers the rest. Cost: two updates, plus copies of the weights and the
-optimizer state (the unpatched end state is kept until the patched update has passed); three
+optimizer state (the unpatched end state is kept until the patched update has passed); four
 updates with the tiled loss in half precision.
 """
 
@@ -112,6 +115,8 @@ class LegacyStep:
         self.failed: list[str] = []
         self.reference: list = []
         self.fp32_head: list | None = None
+        self.tiled_aside: list | None = None
+        self.tiled_figures: list[float] = []
 
     def _state(self) -> _State:
         return _State([p.detach().clone() for p in self.params], shared.copies(shared.grads(self.params)),
@@ -145,6 +150,11 @@ class LegacyStep:
         if tiled.enabled() and core.needs_noise_floor(FRAMEWORK.name, _dtype(self.actor)):  # decided in the update
             self.fp32_head = self._fp32_head_reference()
             self._restore(start)
+            if self.fp32_head is not None:
+                self.tiled_aside = self._tiled_aside_reference()
+                self._restore(start)
+                reset_totals(FRAMEWORK.name)
+                add_to_totals(FRAMEWORK.name, start_totals)
         try:
             with state.in_update(verify=state.VerifyCapture(self.actor, compare=self.compare)):
                 out_p = self.wrapped(*self.args, **self.kwargs)
@@ -165,6 +175,17 @@ class LegacyStep:
             self.wrapped(self._verls_inputs())
         return capture.grads if calls.count else None
 
+    def _tiled_aside_reference(self) -> list:
+        """The patched update again with its tiled loss stepping aside for verl's lm-head in fp32: the
+        reference of the tiled loss alone, the rows laid out as the other optimizations lay them out
+        (the gradient before each optimizer step; the caller puts the state and savings back)."""
+        capture = state.VerifyCapture(self.actor)
+        data = copy.copy(self.data)
+        data.batch = self.data.batch.clone(False)  # the patched update's own input stays as it was
+        with state.in_update(verify=capture), fp32_head.fp32_head(self.actor.actor_module, tiled_aside=True):
+            self.wrapped(data)
+        return capture.grads
+
     def names(self) -> list[str]:
         return shared.optimizations_on(self.actor) + (["logprob_skip"] if self.reference_skipped else [])
 
@@ -177,6 +198,8 @@ class LegacyStep:
             against = self.fp32_head[index]
             floor = core.noise_floor(self.reference[index], against, self.group)
             self.reference_floors.append(floor)
+            if self.tiled_aside is not None:
+                self._check_tiled_alone(index, grads, dtype, floor)
             limit, detail = fp32_head.tolerance(FRAMEWORK.name, dtype, floor, None), detail + " with its lm-head in fp32"
         verdict = core.check(FRAMEWORK.name, names, self.first + index, "grad_rel_diff", core.rel_l2(grads, against),
                              limit, group=self.group, detail=detail)
@@ -185,7 +208,24 @@ class LegacyStep:
             self.failed.extend(names)
             raise _UseVerls()
 
+    def _check_tiled_alone(self, index: int, grads: list, dtype: Any, floor: float) -> None:
+        """The tiled loss alone: the patched gradient against the same update with verl's lm-head in fp32
+        in its place, within 2 x verl's own bf16 distance from its fp32-head reference (a correct tiled
+        loss is an fp32 head: no farther than verl's own rounding; this actor's re-packed rows round
+        alike in both, so the bound is tight where the whole update's cannot be)."""
+        verdict = core.check(FRAMEWORK.name, ["tiled_loss"], self.first + index, "tiled_grad_rel_diff",
+                             core.rel_l2(grads, self.tiled_aside[index]),
+                             core.tolerance(FRAMEWORK.name, dtype, floor, reference=True), group=self.group,
+                             detail="the optimizer step's gradient against the same patched update with verl's "
+                                    "lm-head in fp32 in place of the tiled loss")
+        self.tiled_figures.append(verdict.measured)
+        if not verdict.ok:
+            self.failed.append("tiled_loss")
+            raise _UseVerls()
+
     def _finish(self, out: dict, switched_off: list[str]) -> dict:
+        if self.tiled_figures:
+            out[core.METRIC_PREFIX + "tiled_grad_rel_diff"] = list(self.tiled_figures)
         if self.figures:
             out[core.METRIC_PREFIX + "grad_rel_diff"] = list(self.figures)
         if self.reference_floors:
