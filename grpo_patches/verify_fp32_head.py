@@ -1,7 +1,7 @@
 """The half-precision reference of the tiled lm-head loss where the framework's weights cannot be
 switched to fp32 for one recomputation (verl's engine, NeMo-RL's DTensor worker: FSDP2 casts
 each parameter to its ``mixed_precision`` dtype when it gathers it, and has no public way to
-gather one computation in fp32).
+gather one computation in fp32; half-precision weights anywhere: TRL, verl's legacy actor).
 
 The tiled loss computes only the output head differently from upstream: the logits, in fp32
 tiles, from the same half-precision hidden states and lm-head weight, where upstream rounds
@@ -12,7 +12,9 @@ next to it; upstream's half-precision gradient lies its own rounding away from i
 :data:`~.verify.REFERENCE_FACTOR` scales); a wrong one is far from it. It never replaces the
 re-batched repeat: rows an optimization moves between micro-batches round differently in the
 backbone too, which only the repeat measures, so the tolerance is the larger of the two
-(:func:`tolerance`).
+(:func:`tolerance`). Where there is no repeat (verl's legacy actor), the patched computation runs
+once more with the tiled loss stepping aside for the framework's fp32 head (``tiled_aside``): the
+rows lie alike, so the tiled loss alone is judged against that, within 2x the head's own rounding.
 """
 
 from __future__ import annotations
