@@ -156,6 +156,8 @@ def test_bf16_tiled_loss_judged_against_the_fp32_head_reference(large_logits_run
     record_property("bf16_large_logits_ratio", max(ratios))
     assert got.metrics[FLOOR][0] == 0.0 and before > 1.5, (before, got.metrics)  # the false alarm, reproduced
     assert max(ratios) < 0.1 and not got.status["verify"]["failures"], (ratios, got.status["verify"])
+    unverified = large_logits_run({k: v for k, v in TILED.items() if not k.startswith("verify")})
+    assert all(verify.rel_l2(a, b) == 0.0 for a, b in zip(got.grads, unverified.grads))  # the extra runs leave no trace
 
     grpo_patches.plugin_manager().register(fault := WrongTiledHead(weight=1.05))
     try:
@@ -191,6 +193,9 @@ def test_legacy_bf16_tiled_loss_judged_against_the_fp32_head_reference(record_pr
     record_property("legacy_bf16_tiled_verify_ratio", max(whole))
     assert len(tiled) == len(whole) == 2 and max(tiled) < 0.1 and max(whole) < 0.2, (tiled, whole)
     assert not got.status["verify"]["failures"]
+    unverified = h.legacy_run({k: v for k, v in options.items() if not k.startswith("verify")}, n_mini=2,
+                              dtype=torch.bfloat16, fused=True)
+    assert all(torch.equal(got.weights[k], w) for k, w in unverified.weights.items())  # the extra updates leave no trace
 
     grpo_patches.plugin_manager().register(fault := WrongTiledHead(weight=1.05))
     try:
