@@ -61,6 +61,12 @@ def test_bf16_with_the_tiled_loss_is_no_false_alarm(record_property):
 
 
 @needs_new
+def test_bf16_with_the_tiled_loss_under_fsdp2(record_property):
+    """The fp32-head reference through FSDP2's unshard hooks (the head's weight gathered as in NeMo-RL)."""
+    cases.bf16_tiled_is_no_false_alarm(TAG, FSDP, record_property, label="fsdp2_")
+
+
+@needs_new
 def test_bf16_tiled_false_alarm_without_the_fp32_head_reference(record_property):
     """Issue 33's false alarm, reproduced: one row per micro-batch (the re-batched repeat is then
     bitwise: the floor clamps to a tenth of the epsilon) and large logits (the final norm x64),
