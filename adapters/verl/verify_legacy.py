@@ -132,9 +132,14 @@ class LegacyStep:
         self.actor.actor_optimizer.load_state_dict(copy.deepcopy(state.optimizer))
         core.set_rng_state(state.rng)
 
-    def _verls_inputs(self) -> Any:
+    def _data_copy(self) -> Any:
+        """The update's data, shallow (its own batch dict): an extra update leaves the real one's input as it was."""
         data = copy.copy(self.data)
-        data.batch = self.data.batch.clone(False)  # a shallow copy: verl's update only reads its tensors
+        data.batch = self.data.batch.clone(False)  # verl's update only reads its tensors
+        return data
+
+    def _verls_inputs(self) -> Any:
+        data = self._data_copy()
         if self.reference_skipped:
             data.batch["ref_log_prob"] = data.batch["old_log_probs"]
         return data
@@ -180,10 +185,8 @@ class LegacyStep:
         reference of the tiled loss alone, the rows laid out as the other optimizations lay them out
         (the gradient before each optimizer step; the caller puts the state and savings back)."""
         capture = state.VerifyCapture(self.actor)
-        data = copy.copy(self.data)
-        data.batch = self.data.batch.clone(False)  # the patched update's own input stays as it was
         with state.in_update(verify=capture), fp32_head.fp32_head(self.actor.actor_module, tiled_aside=True):
-            self.wrapped(data)
+            self.wrapped(self._data_copy())
         return capture.grads
 
     def names(self) -> list[str]:

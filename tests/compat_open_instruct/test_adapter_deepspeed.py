@@ -16,7 +16,7 @@ import pytest
 
 from grpo_patches_testing import open_instruct_cpu as harness
 from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, cold_tiled, counts, distance,
-                                                dropping_a_useful_micro_batch, stale_old_logprobs)
+                                                dropping_a_useful_micro_batch, planted_fault_gap, stale_old_logprobs)
 
 harness.load()  # skips without open-instruct / deepspeed on the path
 
@@ -201,16 +201,15 @@ def test_a_skipped_pre_pass_is_never_read_after_an_optimizer_step(monkeypatch):
 
 def test_old_logprobs_from_the_wrong_weights_are_caught(run, record_property):
     """The guard planted wrong: every placeholder becomes the current log-probs, also after an optimizer step."""
-    with stale_old_logprobs():
-        gap = distance(harness.train(RUNS["zero2_exact"]), run("zero2"))
-    record_property("fault_recompute_stale_old_logprobs", gap)
+    gap = planted_fault_gap(stale_old_logprobs(), lambda: harness.train(RUNS["zero2_exact"]), run("zero2"),
+                            record_property, "fault_recompute_stale_old_logprobs")
     assert gap > 1e-3
 
 
 def test_a_tiled_lm_head_at_the_wrong_temperature_is_caught(run, record_property):
-    with cold_tiled():
-        gap = distance(harness.train(harness.replace(RUNS["zero2_tiled"], enable=ALL_ON_TILED)), run("zero2"))
-    record_property("fault_tiled_temperature", gap)
+    tiled = harness.replace(RUNS["zero2_tiled"], enable=ALL_ON_TILED)
+    gap = planted_fault_gap(cold_tiled(), lambda: harness.train(tiled), run("zero2"), record_property,
+                            "fault_tiled_temperature")
     assert gap > 1e-3
 
 

@@ -17,7 +17,7 @@ import pytest
 from grpo_patches_testing import open_instruct_cpu as deepspeed_learner
 from grpo_patches_testing import open_instruct_olmo_core as harness
 from tests.helpers.open_instruct_compare import (ALL_ON, ALL_ON_TILED, cached_runs, cold_tiled, counts, distance,
-                                                dropping_a_useful_micro_batch, stale_old_logprobs)
+                                                dropping_a_useful_micro_batch, planted_fault_gap, stale_old_logprobs)
 
 harness.load()  # skips without open-instruct (and its ai2-olmo-core) on the path
 
@@ -72,14 +72,12 @@ def test_a_filter_that_drops_a_useful_micro_batch_is_caught(run, monkeypatch, re
 
 def test_stale_old_logprobs_after_the_first_optimizer_step_are_caught(run, record_property):
     """The window's planted fault: no pre-pass, every micro-batch's old log-probs the current ones."""
-    with stale_old_logprobs():
-        gap = distance(harness.train(RUNS["exact"]), run("base"))
-    record_property("fault_olmo_core_stale_old_logprobs", gap)
+    gap = planted_fault_gap(stale_old_logprobs(), lambda: harness.train(RUNS["exact"]), run("base"),
+                            record_property, "fault_olmo_core_stale_old_logprobs")
     assert gap > 1e-3
 
 
 def test_a_tiled_lm_head_at_the_wrong_temperature_is_caught(run, record_property):
-    with cold_tiled():
-        gap = distance(harness.train(deepspeed_learner.replace(BASE, enable=ALL_ON_TILED)), run("base"))
-    record_property("fault_olmo_core_tiled", gap)
+    gap = planted_fault_gap(cold_tiled(), lambda: harness.train(deepspeed_learner.replace(BASE, enable=ALL_ON_TILED)),
+                            run("base"), record_property, "fault_olmo_core_tiled")
     assert gap > 1e-3

@@ -41,6 +41,16 @@ def distance(patched: Any, unpatched: Any) -> float:
     return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
+def planted_fault_gap(fault: Any, patched: Callable[[], Any], unpatched: Any, record_property: Callable,
+                      name: str) -> float:
+    """:func:`distance` of the patched run made under ``fault`` (a context manager planting it) from
+    the unpatched run, recorded as ``name``."""
+    with fault:
+        gap = distance(patched(), unpatched)
+    record_property(name, gap)
+    return gap
+
+
 def gaps(patched: Any, unpatched: Any) -> dict[str, float]:
     """Each relative difference between two runs, by name: ``grad_norm <s>`` per optimizer step,
     ``update <s>`` per-step updates (SGD snapshots, where recorded: from the second step), ``gradient <s>``
