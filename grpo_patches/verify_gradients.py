@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from grpo_patches import verify as core
+from grpo_patches import verify_fp32_head
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -97,8 +98,6 @@ def compare_gradients(framework: str, optimizations: Sequence[str], step: int, p
                 floor = core.noise_floor(core.grads_of(repeat(), params), grads_u, group)
             head_loss = head_reference() if reference is None and head_reference is not None else None
             if head_loss is not None:
-                from grpo_patches import verify_fp32_head
-
                 against = core.grads_of(head_loss, params)
                 head_floor = core.noise_floor(grads_u, against, group)
                 limit = verify_fp32_head.tolerance(framework, dtype, head_floor, floor)
